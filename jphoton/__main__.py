@@ -1,0 +1,5 @@
+import sys
+
+from jphoton.cli import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""`jphoton` command line: generate, convert. Text goes to stdout as it is produced; logs and progress to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jphoton").setLevel(logging.INFO if verbose else logging.WARNING)
+    try:  # orbax logs every checkpoint step through absl at INFO
+        import absl.logging
+
+        absl.logging.set_verbosity(absl.logging.WARNING)
+    except ImportError:
+        pass
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF dir, .gguf file, jphoton store or random:NAME (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading and decoding details to stderr")
+
+
+def _cmd_generate(args) -> int:
+    from jphoton.api import LLM
+    from jphoton.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, progress=True)
+    if args.raw:
+        prompt = args.prompt
+    else:
+        prompt = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": args.prompt}])}
+    if llm.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
+
+    def show(delta):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+
+    result = llm.stream_one(prompt, params, on_delta=show)
+    sys.stdout.write("\n")
+    logging.getLogger("jphoton").info("finish_reason=%s, %d tokens", result.finish_reason, len(result.token_ids))
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from jphoton.weights import load_model
+    from jphoton.weights.store import save_store
+
+    m = load_model(args.src, args.dtype, cache=False, progress=True)
+    save_store(pathlib.Path(args.dest), m.config, m.params, m.tokenizer)
+    print(f"wrote {args.dest} ({m.config.name or m.source}, {m.dtype.name})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading")
+    c.add_argument("src", help="HF dir, .gguf file or random:NAME")
+    c.add_argument("dest")
+    _add_model_args(c)
+    c.set_defaults(func=_cmd_convert)
+
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"jphoton: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

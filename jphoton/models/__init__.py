@@ -1,0 +1,1 @@
+"""Model families as pure functions over params pytrees."""

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
+
+Params layout (layers stacked on a leading axis so the layer loop is one `lax.scan`, which keeps compiles short):
+
+    embed        [V, D]
+    layers:
+      attn_norm  [L, D]          mlp_norm  [L, D]
+      wq [L, D, Hq*hd]   wk, wv [L, D, Hkv*hd]   wo [L, Hq*hd, D]
+      bq [L, Hq*hd]  bk, bv [L, Hkv*hd]      (qkv_bias)      bo [L, D]  (o_bias)
+      q_norm, k_norm [L, hd]                  (qk_norm, Qwen3)
+      w_gate, w_up [L, D, F]   w_down [L, F, D]
+    final_norm   [D]
+    lm_head      [D, V]          (absent when embeddings are tied)
+
+Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, layer_kv) -> (out, layer_kv)`
+writes this step's keys/values into the layer's cache and attends over it. `dense_attention` below is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jphoton.config import ModelConfig
+from jphoton.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+
+Params = dict[str, Any]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The params pytree as shapes (tuples); tells random init, loaders and checkpoint restore what to expect."""
+    L, D, F, V, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    layers = {
+        "attn_norm": (L, D), "mlp_norm": (L, D),
+        "wq": (L, D, cfg.q_size), "wk": (L, D, cfg.kv_size), "wv": (L, D, cfg.kv_size), "wo": (L, cfg.q_size, D),
+        "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=(L, cfg.q_size), bk=(L, cfg.kv_size), bv=(L, cfg.kv_size))
+    if cfg.o_bias:
+        layers.update(bo=(L, D))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    shapes: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def check_params(cfg: ModelConfig, params: Params) -> None:
+    """Raise ValueError unless `params` has exactly the keys and shapes the config implies."""
+    want = param_shapes(cfg)
+
+    def walk(w, p, path):
+        if isinstance(w, dict):
+            if not isinstance(p, dict):
+                raise ValueError(f"params{path}: expected a dict")
+            missing, extra = sorted(set(w) - set(p)), sorted(set(p) - set(w))
+            if missing or extra:
+                raise ValueError(f"params{path}: missing {missing}, unexpected {extra}")
+            for k in w:
+                walk(w[k], p[k], f"{path}.{k}")
+        elif tuple(p.shape) != tuple(w):
+            raise ValueError(f"params{path}: shape {tuple(p.shape)}, expected {tuple(w)}")
+
+    walk(want, params, "")
+
+
+def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+    B, T, _ = h.shape
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
+            attend: Attend) -> tuple[jax.Array, Any]:
+    """Run the decoder on tokens [B, T] at positions [B, T]; returns final-normed hidden states [B, T, D] and the
+    updated KV state (whatever pytree `attend` keeps per layer, stacked on a leading layer axis)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = params["embed"][tokens]
+
+    def layer(x, xs):
+        lp, layer_kv = xs
+        q, k, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+        o, layer_kv = attend(q, k, v, layer_kv)
+        o = o.reshape(*x.shape[:2], cfg.q_size) @ lp["wo"]
+        if cfg.o_bias:
+            o = o + lp["bo"]
+        x = x + o
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+        return x, layer_kv
+
+    x, kv = jax.lax.scan(layer, x, (params["layers"], kv))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+
+
+def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
+    """Logits in float32 for hidden states [..., D]."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dense-cache reference attention: the numerical oracle that faster layouts are tested against.
+
+
+class DenseKV(NamedTuple):
+    k: jax.Array  # [L, B, S, Hkv, hd]
+    v: jax.Array
+
+
+def init_dense_kv(cfg: ModelConfig, batch: int, length: int, dtype) -> DenseKV:
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return DenseKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with GQA. q [B, T, Hq, hd]; k, v [B, S, Hkv, hd]; mask [B, T, S] (True = visible)."""
+    B, T, Hq, hd = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, hd).astype(q.dtype)
+
+
+def causal_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """q_pos [B, T], k_pos [B, S] -> [B, T, S]; a key is visible at or before the query (and within the window)."""
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
+    return mask
+
+
+def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
+    """Write k/v at `positions` (positions >= S are padding and dropped), attend over positions <= the query's."""
+
+    def attend(q, k, v, layer_kv):
+        ck, cv = layer_kv
+        B, S = ck.shape[:2]
+        rows = jnp.arange(B)[:, None]
+        ck = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
+        k_pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+        out = grouped_attention(q, ck, cv, causal_mask(positions, k_pos, cfg.sliding_window))
+        return out, (ck, cv)
+
+    return attend
+
+
+def reference_logits(params: Params, cfg: ModelConfig, tokens: np.ndarray) -> jax.Array:
+    """Logits at every position of one sequence [T] (no cache reuse): the simplest possible oracle for tests."""
+    tokens = jnp.asarray(tokens, jnp.int32)[None]
+    T = tokens.shape[1]
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    dtype = params["embed"].dtype
+    kv = init_dense_kv(cfg, 1, T, dtype)
+    hidden, _ = forward(params, cfg, tokens, positions, tuple(kv), dense_attention(cfg, positions))
+    return lm_head(params, hidden)[0]

@@ -1,0 +1,91 @@
+"""Per-request host state: tokens, text, stop detection. Plain Python; knows nothing of devices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jphoton.params import Completion, SamplingParams
+from jphoton.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one commit adds to a request's output (what a stream yields)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+class Sequence:
+    """One request's output as it grows: appends tokens, detokenizes, detects every stop condition.
+
+    Stop strings are searched across token boundaries; text that could still be the start of a stop string is held back
+    from the stream until it can't be, so a stream never shows text that the final result then cuts.
+    """
+
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
+                 eos_token_ids: tuple[int, ...], max_model_len: int, seed: int):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        limit = max_model_len - len(prompt_ids)
+        self.max_new_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
+        self.text = "" if tokenizer is not None else None
+        self._emitted = 0  # characters of self.text already streamed
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, token: int) -> Delta:
+        """Commit one sampled token; returns the delta to stream (possibly empty text)."""
+        assert not self.finished, "append after finish"
+        token = int(token)
+        self.output_ids.append(token)
+        if self._detok is not None:
+            self.text += self._detok.push(token)
+            self._check_stop_strings()
+        if not self.finished:
+            if token in self._stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+        return self._delta([token])
+
+    def finish(self, reason: str, error: str | None = None) -> Delta:
+        """End the request from outside (abort, error); flushes any held-back text."""
+        if not self.finished:
+            self.finish_reason, self.error = reason, error
+        return self._delta([])
+
+    def _check_stop_strings(self) -> None:
+        if not self.params.stop:
+            return
+        start = max(0, self._emitted - self._holdback)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason = "stop"
+
+    def _delta(self, token_ids: list[int]) -> Delta:
+        text = ""
+        if self.text is not None:
+            end = len(self.text) if self.finished else max(self._emitted, len(self.text) - self._holdback)
+            text, self._emitted = self.text[self._emitted:end], end
+        return Delta(token_ids, text, self.finish_reason)
+
+    def completion(self) -> Completion:
+        return Completion(prompt_token_ids=list(self.prompt_ids), token_ids=list(self.output_ids), text=self.text,
+                          finish_reason=self.finish_reason or "abort", error=self.error)

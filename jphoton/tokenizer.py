@@ -1,0 +1,179 @@
+"""Tokenizer (HF `tokenizers`), chat templates (jinja2) and incremental detokenization.
+
+Sources: a HF directory (tokenizer.json + tokenizer_config.json) or GGUF metadata, from which a byte-level BPE is rebuilt
+with its merges, special tokens and pre-tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+log = logging.getLogger("jphoton.tokenizer")
+
+# Pre-tokenizer regexes of the GGUF `tokenizer.ggml.pre` values we rebuild (as in llama.cpp's llama-vocab.cpp).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+
+
+def _gguf_pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default", "gpt-2"):
+        return byte_level
+    if pre in ("llama3", "llama-bpe", "llama-v3", "qwen2"):
+        split = _LLAMA3_SPLIT if pre != "qwen2" else _QWEN2_SPLIT
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, llama-bpe, qwen2)")
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, add_bos: bool = False):
+        self._tok = tok
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
+        self._template: jinja2.Template | None = None
+
+    # ---- sources ------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: pathlib.Path) -> Tokenizer | None:
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            return None
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise ValueError(f"{tj}: cannot be read by tokenizers ({e})") from None
+        conf: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            conf = json.loads((path / "tokenizer_config.json").read_text())
+        template = conf.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+
+        def token_str(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        return cls(tok, bos_token=token_str(conf.get("bos_token")), eos_token=token_str(conf.get("eos_token")),
+                   chat_template=template, add_bos=bool(conf.get("add_bos_token", False)))
+
+    @classmethod
+    def from_gguf(cls, reader) -> Tokenizer | None:
+        from jphoton.weights.gguf_file import field
+
+        model = field(reader, "tokenizer.ggml.model")
+        if model is None:
+            return None
+        if model != "gpt2":
+            log.warning("GGUF tokenizer model %r is not rebuilt (only byte-level BPE, 'gpt2', is); "
+                        "the model will take token ids only", model)
+            return None
+        tokens = list(field(reader, "tokenizer.ggml.tokens"))
+        types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _gguf_pre_tokenizer(field(reader, "tokenizer.ggml.pre", "gpt2"))
+        tok.decoder = decoders.ByteLevel()
+        # CONTROL (3) tokens are special; USER_DEFINED (4) are added tokens matched verbatim in text.
+        added = [AddedToken(t, special=(ty == 3), normalized=False)
+                 for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+        tok.add_tokens(added)
+
+        def tok_str(key):
+            i = field(reader, key)
+            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+        return cls(tok, bos_token=tok_str("tokenizer.ggml.bos_token_id"),
+                   eos_token=tok_str("tokenizer.ggml.eos_token_id"),
+                   chat_template=field(reader, "tokenizer.chat_template"),
+                   add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)))
+
+    def save(self, directory: pathlib.Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+            "add_bos_token": self.add_bos}, indent=1))
+
+    # ---- text <-> ids -------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def special_token_ids(self) -> set[int]:
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    # ---- chat ---------------------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a raw prompt")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise ValueError("a conversation is a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            # The same environment HF uses: sandboxed, trim_blocks/lstrip_blocks, loop controls, raise_exception.
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                               extensions=["jinja2.ext.loopcontrols"])
+
+            def raise_exception(message):
+                raise ValueError(f"chat template: {message}")
+
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template writes BOS itself where the model wants it, so no special tokens are added here (as HF).
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas that never end inside a UTF-8 sequence.
+
+    Decoding is done over a short window (prefix_offset..end) so the cost per token stays constant; a delta is held back
+    while the window's text ends in U+FFFD (an incomplete multi-byte character)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self._tok = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])  # a little context so leading spaces decode as in the full text
+        self._prefix = 0
+        self._read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read])
+        full_text = self._tok.decode(self.ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""

@@ -1,0 +1,1 @@
+"""Pallas kernels (each file: kernel + wrapper + input checks + a plain-jnp reference)."""

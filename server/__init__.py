@@ -1,0 +1,1 @@
+"""gRPC server exposing the engine."""
