@@ -164,12 +164,15 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
     return attend
 
 
-def reference_logits(params: Params, cfg: ModelConfig, tokens: np.ndarray) -> jax.Array:
-    """Logits at every position of one sequence [T] (no cache reuse): the simplest possible oracle for tests."""
-    tokens = jnp.asarray(tokens, jnp.int32)[None]
-    T = tokens.shape[1]
-    positions = jnp.arange(T, dtype=jnp.int32)[None]
-    dtype = params["embed"].dtype
-    kv = init_dense_kv(cfg, 1, T, dtype)
-    hidden, _ = forward(params, cfg, tokens, positions, tuple(kv), dense_attention(cfg, positions))
-    return lm_head(params, hidden)[0]
+def reference_logits(params: Params, cfg: ModelConfig, sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """Float32 logits at every position of each sequence, computed from scratch in one padded batch (one compile per
+    padded length): the simplest possible oracle for tests."""
+    T = max(len(s) for s in sequences)
+    tokens = np.zeros((len(sequences), T), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)] = s
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
+    kv = init_dense_kv(cfg, len(sequences), T, params["embed"].dtype)
+    hidden, _ = forward(params, cfg, jnp.asarray(tokens), positions, tuple(kv), dense_attention(cfg, positions))
+    logits = np.asarray(lm_head(params, hidden))
+    return [logits[i, :len(s)] for i, s in enumerate(sequences)]

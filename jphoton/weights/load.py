@@ -30,6 +30,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str
     dtype: jnp.dtype
+    loaded_from: str = ""  # how it was read: "random", "HF safetensors", "GGUF", "GGUF (cached ...)", "jphoton store"
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -62,7 +63,7 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         cfg = parse_random_spec(source)
         params = random_params(cfg, dt)
         log.info("random weights %s (%s) built on %s", source, dt.name, jax.default_backend())
-        return LoadedModel(cfg, params, None, source, dt)
+        return LoadedModel(cfg, params, None, source, dt, "random")
     else:
         path = pathlib.Path(source).expanduser()
         name = str(path)
@@ -98,7 +99,7 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         raise ValueError(f"{path}: unrecognised model file (expected a .gguf file, a HF directory or a jphoton store)")
     check_params(cfg, params)
     log.info("loaded %s from %s as %s in %.2fs", cfg.name or name, kind, dt.name, time.perf_counter() - t0)
-    return LoadedModel(cfg, params, tok, name, dt)
+    return LoadedModel(cfg, params, tok, name, dt, kind)
 
 
 def _is_gguf(path: pathlib.Path) -> bool:

@@ -1,0 +1,171 @@
+"""Bad input gets a clear ValueError (and a clean non-zero CLI exit), never a crash or a traceback wall."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from jphoton import SamplingParams
+from jphoton.cli import main
+from jphoton.weights import load_model
+
+from conftest import FIXTURES
+
+TINY = FIXTURES / "tiny"
+
+
+def test_missing_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model("/no/such/model", "float32")
+
+
+def test_unknown_architecture(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "llama2", d)
+    conf = json.loads((d / "config.json").read_text())
+    conf["architectures"] = ["FalconForCausalLM"]
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="unknown architecture 'FalconForCausalLM'"):
+        load_model(d, "float32")
+
+
+def test_unknown_gguf_architecture(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unknown architecture 'mamba'"):
+        load_model(tmp_path / "x.gguf", "float32")
+
+
+def test_truncated_safetensors(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "llama2", d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated safetensors"):
+        load_model(d, "float32")
+
+
+def test_missing_shard(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "mistral", d)
+    next(d.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ValueError, match="shards listed in the index are missing"):
+        load_model(d, "float32")
+
+
+def test_checkpoint_with_tensors_the_config_does_not_explain(tmp_path):
+    """A loader that silently ignored Qwen2's biases would pass a Llama config; ours refuses."""
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "qwen2", d)
+    conf = json.loads((d / "config.json").read_text())
+    conf["architectures"], conf["model_type"] = ["LlamaForCausalLM"], "llama"
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="missing|unexpected"):
+        load_model(d, "float32")
+
+
+@pytest.mark.parametrize("cut", [10, 1000, -5000])
+def test_truncated_gguf(tmp_path, tiny_models, cut):
+    from gguf_writer import write_llama_gguf
+
+    m = tiny_models("llama2")
+    good = tmp_path / "good.gguf"
+    write_llama_gguf(good, m.config, m.params)
+    bad = tmp_path / "bad.gguf"
+    data = good.read_bytes()
+    bad.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match="corrupt or truncated GGUF"):
+        load_model(bad, "float32", cache=False)
+
+
+def test_not_a_model_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="unrecognised model file"):
+        load_model(tmp_path / "notes.txt", "float32")
+    with pytest.raises(ValueError, match="not a model directory"):
+        load_model(tmp_path, "float32")
+
+
+def test_unknown_random_model_and_dtype():
+    with pytest.raises(ValueError, match="unknown random model"):
+        load_model("random:gpt5", "float32")
+    with pytest.raises(ValueError, match="bad option"):
+        load_model("random:smollm2-135m:layers=x", "float32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model("random:smollm2-135m:layers=1", "float64x")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(seed=-3), "seed"),
+    (dict(stop=("",)), "stop"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_field():
+    with pytest.raises(ValueError, match="unknown sampling fields"):
+        SamplingParams.from_dict({"temperature": 0.5, "temprature": 1})
+
+
+def test_bad_prompts_and_the_engine_keeps_serving(embedded_llm):
+    llm = embedded_llm
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 49152]})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [-1]})
+    with pytest.raises(ValueError, match="list of integers"):
+        llm.generate({"prompt_token_ids": ["a"]})
+    with pytest.raises(ValueError, match="exceeds the context"):
+        llm.generate("Hello", SamplingParams(max_tokens=llm.max_model_len))
+    with pytest.raises(ValueError, match="SamplingParams for"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match="a prompt is a str"):
+        llm.generate([3])
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].token_ids) == 3
+
+
+def test_text_prompt_to_a_model_without_tokenizer():
+    from jphoton import LLM
+
+    llm = LLM("random:smollm2-135m:layers=1:vocab=512", dtype="float32")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and out[0].text is None
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--model", "/no/such/dir"], "does not exist"),
+    (["generate", "hi", "--temperature", "-1", "--model", "random:smollm2-135m:layers=1"], "temperature"),
+    (["generate", "hi", "--top-p", "2", "--model", "random:smollm2-135m:layers=1"], "top_p"),
+    (["generate", "hi", "--model", "random:smollm2-135m:layers=1"], "no tokenizer"),
+])
+def test_cli_errors_are_one_line_and_nonzero(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "jphoton: error:" in err and match in err
+    assert "Traceback" not in err

@@ -1,0 +1,85 @@
+"""On-device sampling: distributions, filters, and seeds that do not depend on the batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphoton import LLM, SamplingParams
+from jphoton.sampling import sample, seed_key_data
+
+from conftest import FIXTURES
+
+V = 8
+
+
+def _draw(logits, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    """n draws from one row, as n rows of a batch with distinct output indices."""
+    lg = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+    kd = np.broadcast_to(seed_key_data(seed), (n, 2))
+    out = jax.jit(sample)(lg, jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
+                          jnp.full(n, top_p, jnp.float32), kd, jnp.arange(n, dtype=jnp.int32))
+    return np.bincount(np.asarray(out), minlength=len(logits)) / n
+
+
+LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]))
+
+
+def test_temperature_one_follows_softmax():
+    freq = _draw(LOGITS, 20000)
+    assert np.abs(freq - np.exp(LOGITS)).max() < 0.015
+
+
+def test_temperature_sharpens():
+    freq = _draw(LOGITS, 20000, temperature=0.5)
+    p = np.exp(LOGITS / 0.5)
+    assert np.abs(freq - p / p.sum()).max() < 0.015
+
+
+def test_top_k_keeps_k_most_likely():
+    freq = _draw(LOGITS, 20000, top_k=3)
+    p = np.exp(LOGITS[:3]) / np.exp(LOGITS[:3]).sum()
+    assert freq[3:].sum() == 0
+    assert np.abs(freq[:3] - p).max() < 0.015
+
+
+def test_top_p_keeps_smallest_nucleus():
+    freq = _draw(LOGITS, 20000, top_p=0.7)  # 0.4 + 0.25 < 0.7 <= 0.4 + 0.25 + 0.15
+    p = np.exp(LOGITS[:3]) / np.exp(LOGITS[:3]).sum()
+    assert freq[3:].sum() == 0
+    assert np.abs(freq[:3] - p).max() < 0.015
+
+
+def test_zero_temperature_is_argmax_whatever_the_filters():
+    freq = _draw(LOGITS[::-1], 64, temperature=0.0, top_k=2, top_p=0.3)
+    assert freq[V - 1] == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(str(FIXTURES / "tiny" / "qwen2"), dtype="float32")
+
+
+def test_same_seed_same_tokens_whatever_the_batch(tiny_llm):
+    p = SamplingParams(max_tokens=16, temperature=3.0, top_k=50, seed=1234, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    alone = tiny_llm.generate(prompt, p)[0].token_ids
+    others = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 11, 20)]
+    batched = tiny_llm.generate(others[:1] + [prompt] + others[1:],
+                                [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in (1, 2)][:1] + [p]
+                                + [SamplingParams(max_tokens=20, temperature=0.7, seed=9, ignore_eos=True)] * 2)
+    assert len(set(alone)) > 3  # really sampled, not a peaked argmax
+    assert batched[1].token_ids == alone
+    other_seed = tiny_llm.generate(prompt, SamplingParams(max_tokens=16, temperature=3.0, top_k=50, seed=99,
+                                                          ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(tiny_llm):
+    prompt = {"prompt_token_ids": [10, 20, 30, 40]}
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    topk1 = tiny_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, seed=3,
+                                                     ignore_eos=True))[0]
+    assert topk1.token_ids == greedy.token_ids

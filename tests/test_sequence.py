@@ -1,0 +1,77 @@
+"""Host-side stop detection and incremental detokenization (no device involved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jphoton.params import SamplingParams
+from jphoton.sequence import Sequence
+from jphoton.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_llm):
+    return embedded_llm.tokenizer
+
+
+def _seq(tok, params, prompt="Hi"):
+    return Sequence(0, tok.encode(prompt), params, tokenizer=tok, eos_token_ids=(2,), max_model_len=8192, seed=0)
+
+
+def test_detokenizer_never_emits_broken_utf8(tok):
+    text = "naïve café — 日本語のテキスト ☃ 🎉 done"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # some characters span several byte-level tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("Start:"))
+    pieces = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_streamed(tok):
+    target = " and then STOP here"
+    seq = _seq(tok, SamplingParams(stop=("STOP",)))
+    streamed = ""
+    for t in tok.encode(target):
+        d = seq.append(t)
+        streamed += d.text
+        if seq.finished:
+            break
+    assert seq.finish_reason == "stop"
+    assert seq.text == " and then "
+    assert streamed == seq.text
+    assert "ST" not in streamed
+
+
+def test_stop_token_ids_eos_and_length(tok):
+    seq = _seq(tok, SamplingParams(stop_token_ids=(42,)))
+    seq.append(7)
+    assert not seq.finished
+    seq.append(42)
+    assert seq.finish_reason == "stop" and seq.output_ids == [7, 42]
+
+    seq = _seq(tok, SamplingParams())
+    seq.append(2)  # EOS
+    assert seq.finish_reason == "stop"
+    seq = _seq(tok, SamplingParams(ignore_eos=True, max_tokens=2))
+    seq.append(2)
+    assert not seq.finished
+    seq.append(2)
+    assert seq.finish_reason == "length"
+
+
+def test_context_end_stops_when_max_tokens_is_none(tok):
+    seq = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True), tokenizer=tok, eos_token_ids=(2,),
+                   max_model_len=5, seed=0)
+    seq.append(9)
+    assert not seq.finished
+    seq.append(9)
+    assert seq.finish_reason == "length" and seq.num_tokens == 5
+
+
+def test_abort_flushes_held_back_text(tok):
+    seq = _seq(tok, SamplingParams(stop=("NEVER_MATCHES",)))
+    streamed = "".join(seq.append(t).text for t in tok.encode(" hello world"))
+    assert streamed != seq.text  # the tail is held back while it could start a stop string
+    streamed += seq.finish("abort").text
+    assert streamed == seq.text and seq.finish_reason == "abort"

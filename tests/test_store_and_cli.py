@@ -1,0 +1,67 @@
+"""`jphoton convert` (orbax store) round trips, `jphoton generate` streams, random presets have real shapes."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphoton.cli import main
+from jphoton.models.llama import param_shapes
+from jphoton.weights import load_model
+from jphoton.weights.random_init import PRESETS
+
+from conftest import FIXTURES
+
+
+def test_convert_then_load_store(tmp_path, tiny_models, capsys):
+    dest = tmp_path / "store"
+    assert main(["convert", str(FIXTURES / "tiny" / "llama3"), str(dest)]) == 0
+    src = tiny_models("llama3")
+    m = load_model(dest, "float32")
+    assert m.loaded_from == "jphoton store" and m.config == src.config.replace(name=m.config.name)
+    for name, a in src.params["layers"].items():
+        assert np.array_equal(np.asarray(a), np.asarray(m.params["layers"][name])), name
+    ref = json.loads((FIXTURES / "tiny" / "llama3" / "tokenizer_reference.json").read_text())
+    assert m.tokenizer.encode(ref["texts"][0]) == ref["text_ids"][0]
+    assert m.tokenizer.encode_chat(ref["conversation"]) == ref["chat_ids"]
+    bf16 = load_model(dest, "bfloat16")
+    assert bf16.params["embed"].dtype == jnp.bfloat16
+    capsys.readouterr()
+    assert main(["convert", str(FIXTURES / "tiny" / "llama3"), str(dest)]) == 2  # never overwrites
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_cli_generate_streams_the_answer(capsys):
+    assert main(["generate", "--temperature", "0", "--max-tokens", "24", "What is the capital of France?"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out
+
+
+def test_cli_generate_raw_prompt(capsys):
+    assert main(["generate", "--raw", "--temperature", "0", "--max-tokens", "8", "def fibonacci(n):\n"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_random_presets_have_real_shapes(name):
+    cfg = PRESETS[name]
+    n_params = sum(int(np.prod(s)) for s in _leaves(param_shapes(cfg)))
+    expected = {"smollm2-135m": 134.5e6, "llama3.2-1b": 1.236e9, "llama3-8b": 8.03e9}[name]
+    assert abs(n_params - expected) / expected < 0.01, n_params
+
+
+def test_random_model_with_fewer_layers():
+    m = load_model("random:llama3.2-1b:layers=1:vocab=1024", "float32")
+    assert m.config.num_layers == 1 and m.params["layers"]["wq"].shape == (1, 2048, 2048)
+    assert m.params["embed"].shape == (1024, 2048) and m.tokenizer is None
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
