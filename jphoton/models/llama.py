@@ -12,8 +12,9 @@ Params layout (layers stacked on a leading axis so the layer loop is one `lax.sc
     final_norm   [D]
     lm_head      [D, V]          (absent when embeddings are tied)
 
-Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, layer_kv) -> (out, layer_kv)`
-writes this step's keys/values into the layer's cache and attends over it. `dense_attention` below is the reference.
+Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
+writes this step's keys/values into layer `layer` of the cache and attends over it. `dense_attention` below is the
+reference; the engine's paged attention lives in jphoton/engine/attention.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jphoton.config import ModelConfig
 from jphoton.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 
 Params = dict[str, Any]
-Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -72,13 +73,13 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
 
 
 def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    B, T, _ = h.shape
+    lead = h.shape[:-1]
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -87,24 +88,28 @@ def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
             attend: Attend) -> tuple[jax.Array, Any]:
-    """Run the decoder on tokens [B, T] at positions [B, T]; returns final-normed hidden states [B, T, D] and the
-    updated KV state (whatever pytree `attend` keeps per layer, stacked on a leading layer axis)."""
+    """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
+
+    Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer scan's carry
+    (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
+    into it and returns the attention output [..., Hq, hd]."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens]
 
-    def layer(x, xs):
-        lp, layer_kv = xs
+    def layer(carry, xs):
+        x, kv = carry
+        lp, index = xs
         q, k, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
-        o, layer_kv = attend(q, k, v, layer_kv)
-        o = o.reshape(*x.shape[:2], cfg.q_size) @ lp["wo"]
+        o, kv = attend(q, k, v, kv, index)
+        o = o.reshape(*x.shape[:-1], cfg.q_size) @ lp["wo"]
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-        return x, layer_kv
+        return (x, kv), None
 
-    x, kv = jax.lax.scan(layer, x, (params["layers"], kv))
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
@@ -149,16 +154,16 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) 
 
 
 def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
-    """Write k/v at `positions` (positions >= S are padding and dropped), attend over positions <= the query's."""
+    """Write k/v at `positions` [B, T] (positions >= S are padding and dropped), attend over positions <= the query's."""
 
-    def attend(q, k, v, layer_kv):
-        ck, cv = layer_kv
-        B, S = ck.shape[:2]
+    def attend(q, k, v, kv, layer):
+        ck, cv = kv
+        B, S = ck.shape[1:3]
         rows = jnp.arange(B)[:, None]
-        ck = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
+        ck = ck.at[layer, rows, positions].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[layer, rows, positions].set(v.astype(cv.dtype), mode="drop")
         k_pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-        out = grouped_attention(q, ck, cv, causal_mask(positions, k_pos, cfg.sliding_window))
+        out = grouped_attention(q, ck[layer], cv[layer], causal_mask(positions, k_pos, cfg.sliding_window))
         return out, (ck, cv)
 
     return attend
