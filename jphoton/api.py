@@ -1,45 +1,81 @@
-"""The public Python API: `LLM` validates and tokenizes requests and hands them to a decoder."""
+"""The public Python API: `LLM` validates and tokenizes requests and hands them to the engine."""
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import numpy as np
 
+from jphoton.engine import compiles
+from jphoton.engine.engine import Engine, Output
+from jphoton.engine.scheduler import SchedulerConfig
+from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.params import Completion, SamplingParams
-from jphoton.reference import ReferenceDecoder
 from jphoton.sequence import Delta, Sequence
-from jphoton.weights import LoadedModel, load_model
+from jphoton.weights import load_model
+from jphoton.weights.store import cache_dir
 
 log = logging.getLogger("jphoton")
 
 Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
 Message = dict  # {"role": ..., "content": ...}
+DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table
 
 
 class LLM:
-    """Load a model and generate from it.
+    """Load a model and serve it through the paged, continuously batched engine.
 
-    model: a HF directory, a .gguf file, a jphoton store (from `jphoton convert`), `random:NAME[:layers=N]`, or None
-    for the embedded SmolLM2-135M-Instruct. dtype: None = float32 on CPU, bfloat16 on GPU.
+    model: a HF directory, a .gguf file, a jphoton store (from `jphoton convert`), `random:NAME[:layers=N]`, None for
+    the embedded SmolLM2-135M-Instruct, or a `JaxModel` (your own forward function + params, see models/protocol.py).
+    dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
+    Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
+    never compiles.
     """
 
-    def __init__(self, model: str | None = None, *, dtype=None, max_model_len: int | None = None, seed: int = 0,
-                 cache_converted: bool | None = None, progress: bool = False):
-        self.model: LoadedModel = load_model(model, dtype, cache=cache_converted, progress=progress)
+    def __init__(self, model: str | JaxModel | None = None, *, dtype=None, max_model_len: int | None = None,
+                 seed: int = 0, pipeline_depth: int = 1, page_size: int = 16, num_kv_pages: int | None = None,
+                 kv_memory_fraction: float = 0.85, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 decode_buckets: tuple[int, ...] | None = None,
+                 prefill_buckets: tuple[tuple[int, int], ...] | None = None, max_logprobs: int = 20,
+                 cache_converted: bool | None = None, progress: bool = False, warmup: bool = True):
+        compiles.install()
+        if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
+            compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
+        if isinstance(model, JaxModel):
+            self.model = model
+        else:
+            loaded = load_model(model, dtype, cache=cache_converted, progress=progress)
+            self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
         limit = self.config.max_position_embeddings
         if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_model_len!r}")
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
-        self._decoder = ReferenceDecoder(self.config, self.model.params)
-        log.info("decoder: reference (dense KV cache, blocking loop)")
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            decode_buckets=decode_buckets or _pow2_buckets(max_num_seqs),
+            prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens))
+        if num_kv_pages is None:
+            num_kv_pages = _default_num_pages(self.config, self.max_model_len, page_size, max_num_seqs,
+                                              kv_memory_fraction, self.model.params)
+        self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
+                             max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs)
+        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: plain-JAX paged",
+                 num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth)
+        if warmup:
+            self.engine.runner.warmup(progress=progress)
+        self._outputs: dict[int, collections.deque[Output]] = {}
 
     # ---- public -----------------------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -48,7 +84,14 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         seqs = self._make_sequences([self._prompt_ids(p) for p in prompts], params)
-        self._decoder.run(seqs)
+        for s in seqs:
+            self._submit(s)
+        try:
+            while not all(s.finalized for s in seqs):
+                self._tick()
+        finally:
+            for s in seqs:
+                self._close(s)
         return [s.completion() for s in seqs]
 
     def chat(self, conversations: Seq[Message] | Seq[Seq[Message]],
@@ -60,20 +103,71 @@ class LLM:
         ids = [tok.encode_chat(list(conv)) for conv in conversations]
         return self.generate([{"prompt_token_ids": i} for i in ids], params)
 
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Yield deltas (`.text`, `.token_ids`, `.finish_reason` on the last) as tokens are committed. Closing the
+        iterator early aborts the request and returns its KV pages."""
+        [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        self._submit(seq)
+        try:
+            while True:
+                queue = self._outputs[seq.request_id]
+                while not queue and not seq.finalized:
+                    self._tick()
+                while queue:
+                    yield queue.popleft().delta
+                if seq.finalized and not queue:
+                    return
+        finally:
+            self._close(seq)
+
     def stream_one(self, prompt: Prompt, params: SamplingParams | None = None,
                    on_delta: Callable[[Delta], None] | None = None) -> Completion:
         """Generate for one prompt, calling `on_delta` as each token is committed (what the CLI prints)."""
-        seqs = self._make_sequences([self._prompt_ids(prompt)], params)
-        self._decoder.run(seqs, None if on_delta is None else (lambda _s, d: on_delta(d)))
-        return seqs[0].completion()
+        [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        self._submit(seq)
+        try:
+            while not seq.finalized or self._outputs[seq.request_id]:
+                queue = self._outputs[seq.request_id]
+                while queue:
+                    delta = queue.popleft().delta
+                    if on_delta is not None:
+                        on_delta(delta)
+                if not seq.finalized:
+                    self._tick()
+        finally:
+            self._close(seq)
+        return seq.completion()
 
     def encode_chat(self, messages: Seq[Message]) -> list[int]:
         return self._require_tokenizer().encode_chat(list(messages))
 
+    def stats(self) -> dict:
+        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events)."""
+        return {**self.engine.stats(), "num_compiles": compiles.num_compiles()}
+
+    # ---- the engine loop (synchronous: runs in the caller's thread) -------------------------------------------------
+    def _submit(self, seq: Sequence) -> None:
+        self._outputs[seq.request_id] = collections.deque()
+        self.engine.add(seq)
+
+    def _tick(self) -> None:
+        for out in self.engine.step():
+            queue = self._outputs.get(out.seq.request_id)
+            if queue is not None:
+                queue.append(out)
+
+    def _close(self, seq: Sequence) -> None:
+        """Abort if unfinished, then run the pipeline until no launched step references the sequence (so its pages are
+        back before the caller looks at stats)."""
+        self.engine.abort(seq.request_id)
+        while seq.status != "released" and self.engine.has_work():
+            self._tick()
+        self._outputs.pop(seq.request_id, None)
+
     # ---- validation -------------------------------------------------------------------------------------------------
     def _require_tokenizer(self):
         if self.tokenizer is None:
-            raise ValueError(f"model {self.model.source!r} has no tokenizer: pass prompts as "
+            raise ValueError(f"model {self.model.name!r} has no tokenizer: pass prompts as "
                              "{'prompt_token_ids': [...]} (text output is unavailable too)")
         return self.tokenizer
 
@@ -120,6 +214,8 @@ class LLM:
             if p.max_tokens is not None and len(ids) + p.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context "
                                  f"({self.max_model_len}); lower max_tokens or pass max_tokens=None")
+            if p.logprobs and p.logprobs > self.max_logprobs:
+                raise ValueError(f"logprobs={p.logprobs} exceeds this engine's max_logprobs={self.max_logprobs}")
             bad = [t for t in p.stop_token_ids if t >= self.config.vocab_size]
             if bad:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
@@ -136,3 +232,32 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
+
+
+def _pow2_buckets(n: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return (*out, n)
+
+
+def _default_prefill_buckets(budget: int) -> tuple[tuple[int, int], ...]:
+    shapes = [(1, 32), (1, 128), (4, 128), (1, 512)]
+    fit = tuple((r, t) for r, t in shapes if r * t <= budget)
+    return fit or ((1, budget),)
+
+
+def _default_num_pages(cfg, max_model_len: int, page_size: int, max_num_seqs: int, fraction: float, params) -> int:
+    """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
+    import jax
+
+    dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
+    page_bytes = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    wanted = max_num_seqs * -(-max_model_len // page_size)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * fraction)
+    else:
+        budget = 256 * 2**20
+    return max(1, min(wanted, budget // page_bytes))

@@ -32,7 +32,9 @@ def _cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, progress=True)
+    # One request: one decode row and one prefill shape, compiled on first use rather than a full bucket warm-up.
+    llm = LLM(args.model, dtype=args.dtype, progress=True, max_num_seqs=1, decode_buckets=(1,),
+              prefill_buckets=((1, 128),), warmup=False, pipeline_depth=args.pipeline_depth)
     if args.raw:
         prompt = args.prompt
     else:
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "custom")  # custom: a user model (models/protocol.py)
 
 # HF `architectures[0]` / `model_type` -> our architecture name.
 _HF_ARCHITECTURES = {

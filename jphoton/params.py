@@ -19,6 +19,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # return this many top logprobs per generated token (and the chosen token's)
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -71,3 +74,5 @@ class Completion:
     text: str | None  # None when the model has no tokenizer
     finish_reason: str  # one of FINISH_REASONS
     error: str | None = None  # the message when finish_reason == "error"
+    # With SamplingParams(logprobs=k): per generated token, (token id, its logprob, {top-k id: logprob}).
+    logprobs: list[tuple[int, float, dict[int, float]]] | None = None

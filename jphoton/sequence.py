@@ -31,6 +31,7 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.output_ids: list[int] = []
+        self.logprobs: list = []
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -40,6 +41,15 @@ class Sequence:
         self.text = "" if tokenizer is not None else None
         self._emitted = 0  # characters of self.text already streamed
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        # Engine state (the scheduler and the tick loop own these; the reference decoder ignores them).
+        self.status = "waiting"  # waiting -> running -> (preempted back to waiting) -> released
+        self.block_table: list[int] = []  # KV pages, in position order
+        self.num_computed = 0  # tokens fed to a launched forward (their KV is written, or will be, in stream order)
+        self.prefill_target = 0  # tokens to prefill on (re)admission: every token known on the host then
+        self.inflight_refs = 0  # launched, uncommitted steps that contain this sequence (0, 1 or 2)
+        self.pending_samples = 0  # sampled tokens still on the device (launched, not yet committed)
+        self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
+        self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
 
     @property
     def finished(self) -> bool:
@@ -48,6 +58,19 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finalized(self) -> bool:
+        """Result emitted; the sequence may still ride in an in-flight step (a zombie) until inflight_refs is 0."""
+        return self.finish_reason is not None
+
+    def token_at(self, index: int) -> int | None:
+        """The token at `index` if the host knows it (it may still be on the device, pending)."""
+        n = len(self.prompt_ids)
+        if index < n:
+            return self.prompt_ids[index]
+        index -= n
+        return self.output_ids[index] if index < len(self.output_ids) else None
 
     def append(self, token: int) -> Delta:
         """Commit one sampled token; returns the delta to stream (possibly empty text)."""
@@ -88,4 +111,5 @@ class Sequence:
 
     def completion(self) -> Completion:
         return Completion(prompt_token_ids=list(self.prompt_ids), token_ids=list(self.output_ids), text=self.text,
-                          finish_reason=self.finish_reason or "abort", error=self.error)
+                          finish_reason=self.finish_reason or "abort", error=self.error,
+                          logprobs=list(self.logprobs) if self.params.logprobs else None)

@@ -15,11 +15,34 @@ TINY_FAMILIES = ("llama2", "llama3", "smollm2", "mistral", "qwen2", "qwen3")
 os.environ.setdefault("JPHOTON_CACHE_DIR", tempfile.mkdtemp(prefix="jphoton-test-cache-"))
 
 
-@pytest.fixture(scope="session")
-def embedded_llm():
+# Small bucket sets keep compiles few on 2 CPU cores; every test engine shares them.
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=128, decode_buckets=(1, 8),
+                   prefill_buckets=((2, 64),))
+_LIVE_LLMS = []
+
+
+def make_llm(model=None, **kwargs):
+    """An LLM with the test bucket sets, checked for leaked KV pages after every test."""
     from jphoton import LLM
 
-    return LLM(dtype="float32")
+    llm = LLM(model, **{"dtype": "float32", **ENGINE_ARGS, **kwargs})
+    _LIVE_LLMS.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_pages():
+    yield
+    for llm in _LIVE_LLMS:
+        stats = llm.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"], f"KV pages leaked: {stats}"
+        assert not llm.engine.sequences, "sequences still live after the test"
+        assert not llm.engine.inflight
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    return make_llm()
 
 
 @pytest.fixture(scope="session")

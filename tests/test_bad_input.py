@@ -11,7 +11,7 @@ from jphoton import SamplingParams
 from jphoton.cli import main
 from jphoton.weights import load_model
 
-from conftest import FIXTURES
+from conftest import FIXTURES, make_llm
 
 TINY = FIXTURES / "tiny"
 
@@ -147,9 +147,7 @@ def test_bad_prompts_and_the_engine_keeps_serving(embedded_llm):
 
 
 def test_text_prompt_to_a_model_without_tokenizer():
-    from jphoton import LLM
-
-    llm = LLM("random:smollm2-135m:layers=1:vocab=512", dtype="float32")
+    llm = make_llm("random:smollm2-135m:layers=1:vocab=512", warmup=False)
     with pytest.raises(ValueError, match="has no tokenizer"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="has no tokenizer"):

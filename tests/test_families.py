@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jphoton import LLM, SamplingParams
+from jphoton import SamplingParams
 from jphoton.models.llama import reference_logits
 
-from conftest import TINY_FAMILIES, tiny_reference
+from conftest import TINY_FAMILIES, make_llm, tiny_reference
 
 TOL = 1e-4  # max|Δ| / max|ref|
 
@@ -36,7 +36,7 @@ def test_logits_match_hf_at_every_position(tiny_models, family):
 def test_greedy_tokens_match_hf(family):
     from conftest import FIXTURES
 
-    llm = LLM(str(FIXTURES / "tiny" / family), dtype="float32")
+    llm = make_llm(str(FIXTURES / "tiny" / family), warmup=False)
     ref = tiny_reference(family)
     params = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], params)

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jphoton import LLM, SamplingParams
+from jphoton import SamplingParams
 from jphoton.sampling import sample, seed_key_data
 
-from conftest import FIXTURES
+from conftest import FIXTURES, make_llm
 
 V = 8
 
@@ -59,7 +59,7 @@ def test_zero_temperature_is_argmax_whatever_the_filters():
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    return LLM(str(FIXTURES / "tiny" / "qwen2"), dtype="float32")
+    return make_llm(str(FIXTURES / "tiny" / "qwen2"))
 
 
 def test_same_seed_same_tokens_whatever_the_batch(tiny_llm):

@@ -1,0 +1,1 @@
+"""The serving engine: host bookkeeping (pages, scheduler, sequences) + one device owner (runner) + the tick loop."""

@@ -1,0 +1,118 @@
+"""The engine tick: launch t+1 -> commit t (-> finalize t+1's sampling, for constrained rows later).
+
+With pipeline_depth=2 the step for t+1 is planned from what the host knows before t is committed, and dispatched
+before t's tokens reach the host; with pipeline_depth=1 the same code commits each step right after launching it (the
+blocking baseline). Sequences that finish while still inside a launched step are finalized at once (their result is
+emitted) and released only when the last step referencing them has been committed: zombies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+from jphoton.engine.pages import PagePool
+from jphoton.engine.runner import DecodeSlot, Runner, StepResult
+from jphoton.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from jphoton.sequence import Delta, Sequence
+
+log = logging.getLogger("jphoton.engine")
+
+
+@dataclasses.dataclass
+class Output:
+    """What a tick produced for one request."""
+
+    seq: Sequence
+    delta: Delta
+    logprobs: list | None = None
+
+
+class Engine:
+    def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
+                 pipeline_depth: int = 1, max_logprobs: int = 20):
+        if pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {pipeline_depth!r}")
+        self.depth = pipeline_depth
+        self.pages = PagePool(num_pages, page_size)
+        self.scheduler = Scheduler(sched, self.pages)
+        self.runner = Runner(model, sched=sched, num_pages=num_pages, page_size=page_size,
+                             max_model_len=max_model_len, max_logprobs=max_logprobs)
+        self.max_model_len = max_model_len
+        self.inflight: collections.deque[DecodeSlot] = collections.deque()
+        self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        need = self.pages.pages_for(len(seq.prompt_ids) + seq.max_new_tokens)
+        if need > self.pages.num_pages:
+            raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {seq.max_new_tokens} new "
+                             f"tokens) but the whole pool has {self.pages.num_pages}")
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: int) -> Output | None:
+        """Finalize a request now (result emitted with finish_reason "abort"); its pages come back once no in-flight
+        step references it. Unknown or already finished ids are ignored."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.finalized:
+            return None
+        out = Output(seq, seq.finish("abort"))
+        self._maybe_release(seq)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.inflight) or self.scheduler.has_work()
+
+    # ---- the tick --------------------------------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """One tick: launch the next step if there is one, then commit what the pipeline depth says is due."""
+        outputs: list[Output] = []
+        plan = self.scheduler.plan()
+        if plan is not None:
+            self.inflight.append(self.runner.launch(plan))
+            self.num_steps += 1
+        keep = self.depth - 1 if plan is not None else 0
+        while len(self.inflight) > keep:
+            slot = self.inflight.popleft()
+            step_plan = slot.plan
+            outputs += self._commit(step_plan, self.runner.fetch(slot))
+        return outputs
+
+    def _commit(self, plan: StepPlan, result: StepResult) -> list[Output]:
+        outputs = []
+        for row in plan.rows:
+            seq = row.seq
+            seq.inflight_refs -= 1
+            if row.samples:
+                seq.pending_samples -= 1
+            if row.samples and not seq.finalized:
+                delta = seq.append(int(result.tokens[row.out_row]))
+                lp = None
+                if seq.params.logprobs and result.logprobs is not None:
+                    k = seq.params.logprobs
+                    lp = [(int(result.tokens[row.out_row]), float(result.logprobs[row.out_row, 0]),
+                           {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],
+                                                             result.logprobs[row.out_row, 1:k + 1], strict=True)})]
+                    seq.logprobs.extend(lp)
+                outputs.append(Output(seq, delta, lp))
+            self._maybe_release(seq)
+        return outputs
+
+    def _maybe_release(self, seq: Sequence) -> None:
+        if self.scheduler.release_if_done(seq):
+            del self.sequences[seq.request_id]
+
+    # ---- introspection ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "kv_pages_total": self.pages.num_pages,
+            "kv_pages_free": self.pages.num_free,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "inflight_steps": len(self.inflight),
+        }

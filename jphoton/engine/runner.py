@@ -1,0 +1,161 @@
+"""The runner: the only owner of device state (params, KV pool, decode slots) and of the compiled steps.
+
+Two `DecodeSlot`s alternate (ping-pong): each holds one step's output buffers, donated to the jitted step and handed
+back, and the host landing of its async device->host copy. A slot is reused only after the commit that read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jphoton.engine.scheduler import SchedulerConfig, StepPlan
+from jphoton.engine.step import StepLayout, StepShape, StepStatic, engine_step
+from jphoton.sampling import seed_key_data
+
+log = logging.getLogger("jphoton.engine")
+
+
+@dataclasses.dataclass
+class DecodeSlot:
+    """One step's device outputs (donated each use, so no per-step allocation) and what the host got back."""
+
+    tokens: jax.Array  # [max_rows] int32
+    logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
+    top_ids: jax.Array  # [max_rows, max(K, 1)] int32
+    plan: StepPlan | None = None  # the step occupying the slot, until its commit
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray
+    logprobs: np.ndarray | None
+    top_ids: np.ndarray | None
+
+
+def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
+    decode = [0, *cfg.decode_buckets]
+    prefill = [(0, 0), *cfg.prefill_buckets]
+    return [StepShape(d, r, t) for d in decode for r, t in prefill if d or r]
+
+
+class Runner:
+    def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
+                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None):
+        cfg = model.config
+        self.model = model
+        self.sched = sched
+        ppb = min(pages_per_block, -(-max_model_len // page_size))
+        pages_per_seq = -(-max_model_len // page_size)
+        pages_per_seq = -(-pages_per_seq // ppb) * ppb
+        max_rows = max(sched.decode_buckets) + max(r for r, _ in sched.prefill_buckets)
+        self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
+                                 trash_page=num_pages, max_rows=max_rows, max_logprobs=max_logprobs,
+                                 sliding_window=cfg.sliding_window)
+        # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
+        # uncommitted buffer at warm-up and a committed one while serving would compile twice.
+        self.device = jax.devices()[0]
+        self.params = jax.device_put(model.params, self.device)
+        dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
+        slots = (num_pages + 1) * page_size  # +1: the trash page that padding writes to
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = (self._zeros(shape, dtype), self._zeros(shape, dtype))
+        self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+        K = max_logprobs
+        self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32), self._zeros((max_rows, K + 1), jnp.float32),
+                                 self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
+        self._next_slot = 0
+        self._prev_tokens = self.slots[1].tokens
+        self._layouts: dict[StepShape, StepLayout] = {}
+        self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
+                             static_argnums=(0,), donate_argnums=(2, 4, 5, 6))
+
+    def _zeros(self, shape, dtype) -> jax.Array:
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+    def layout(self, shape: StepShape) -> StepLayout:
+        if shape not in self._layouts:
+            self._layouts[shape] = StepLayout(shape, self.static)
+        return self._layouts[shape]
+
+    # ---- compile ---------------------------------------------------------------------------------------------------
+    def warmup(self, shapes: Iterable[StepShape] | None = None, progress: bool = False) -> float:
+        """Compile (and run once, all rows padding) every bucket shape, so serving never compiles."""
+        shapes = list(shapes if shapes is not None else all_shapes(self.sched))
+        t0 = time.perf_counter()
+        it = shapes
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(shapes, desc="compiling step buckets", unit="shape")
+        for shape in it:
+            inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
+            self._dispatch(shape, inputs)
+        jax.block_until_ready(self.kv)
+        elapsed = time.perf_counter() - t0
+        log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
+        return elapsed
+
+    # ---- one step --------------------------------------------------------------------------------------------------
+    def pack(self, plan: StepPlan) -> tuple[StepShape, np.ndarray]:
+        pr, pt = plan.prefill_bucket
+        shape = StepShape(plan.decode_bucket, pr, pt)
+        v = self.layout(shape).empty(self.static.trash_page)
+        temperature, top_p = v["temperature"].view(np.float32), v["top_p"].view(np.float32)
+        for i, row in enumerate(plan.decode):
+            v["d_tokens"][i] = row.tokens[0] if row.tokens else 0
+            v["d_carry"][i] = row.carry_from
+            v["d_pos"][i] = row.start
+            table = row.seq.block_table
+            v["d_table"][i, :len(table)] = table
+        for j, row in enumerate(plan.prefill):
+            v["p_tokens"][j, :row.num_tokens] = row.tokens
+            v["p_start"][j] = row.start
+            v["p_len"][j] = row.num_tokens
+            table = row.seq.block_table
+            v["p_table"][j, :len(table)] = table
+        for row in plan.rows:
+            r, p = row.out_row, row.seq.params
+            temperature[r], v["top_k"][r], top_p[r] = p.temperature, p.top_k, p.top_p
+            v["key"][r] = seed_key_data(row.seq.seed).view(np.int32)
+            v["sample_index"][r] = row.sample_index
+            v["logprobs"][r] = p.logprobs or 0
+        return shape, v["_buffer"]
+
+    def launch(self, plan: StepPlan) -> DecodeSlot:
+        """Dispatch the step into the next free slot and start copying its results to the host. Never waits."""
+        shape, packed = self.pack(plan)
+        slot = self._dispatch(shape, packed)
+        slot.plan = plan
+        slot.tokens.copy_to_host_async()
+        if any(r.seq.params.logprobs for r in plan.rows):
+            slot.logprobs.copy_to_host_async()
+            slot.top_ids.copy_to_host_async()
+        return slot
+
+    def _dispatch(self, shape: StepShape, packed: np.ndarray) -> DecodeSlot:
+        """Run one step into the next slot: one explicit host->device copy, outputs and KV donated."""
+        slot = self.slots[self._next_slot]
+        assert slot.plan is None, "slot reused before the commit that reads it"
+        slot.tokens, slot.logprobs, slot.top_ids, self.kv = self._step(
+            shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logprobs, slot.top_ids,
+            jax.device_put(packed, self.device))
+        self._prev_tokens = slot.tokens
+        self._next_slot ^= 1
+        return slot
+
+    def fetch(self, slot: DecodeSlot) -> StepResult:
+        """Wait for the slot's host copy (explicit transfer) and free the slot."""
+        want_lp = any(r.seq.params.logprobs for r in slot.plan.rows)
+        tokens = jax.device_get(slot.tokens)
+        lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
+        slot.plan = None
+        return StepResult(np.asarray(tokens), lp, ids)

@@ -1,0 +1,150 @@
+"""One engine step as a pure function: unpack the step's inputs, run the model over decode rows and prefill chunks
+together, sample, write the results into the (donated) output buffers.
+
+Every host input of a step travels as ONE packed int32 array (one host->device copy); `StepLayout` says where each field
+lives in it for a given bucket shape, and is used both to pack (host) and to unpack (traced, static offsets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jphoton.engine.attention import paged_attention, token_slots
+from jphoton.sampling import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    decode_rows: int  # Bd (0 = no decode part)
+    prefill_rows: int  # Bp (0 = no prefill part)
+    prefill_tokens: int  # Tp, tokens per prefill row
+
+    @property
+    def rows(self) -> int:
+        return self.decode_rows + self.prefill_rows
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + self.prefill_rows * self.prefill_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatic:
+    """Everything about the engine that shapes the compiled step (hashable: a jit static argument)."""
+
+    pages_per_seq: int  # block-table width, a multiple of pages_per_block
+    page_size: int
+    pages_per_block: int
+    trash_page: int
+    max_rows: int  # length of the output buffers
+    max_logprobs: int
+    sliding_window: int | None
+
+
+class StepLayout:
+    """Offsets of each field in the packed int32 input for one shape."""
+
+    def __init__(self, shape: StepShape, static: StepStatic):
+        Bd, Bp, Tp, P, R = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens, static.pages_per_seq, shape.rows
+        self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for name, dims in (
+            ("d_tokens", (Bd,)), ("d_carry", (Bd,)), ("d_pos", (Bd,)), ("d_table", (Bd, P)),
+            ("p_tokens", (Bp, Tp)), ("p_start", (Bp,)), ("p_len", (Bp,)), ("p_table", (Bp, P)),
+            ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)), ("key", (R, 2)), ("sample_index", (R,)),
+            ("logprobs", (R,)),
+        ):
+            self.fields[name] = (offset, dims)
+            offset += math.prod(dims)
+        self.size = offset
+
+    def empty(self, trash_page: int) -> dict[str, np.ndarray]:
+        """Host views into one zeroed buffer, with padding defaults (tables -> trash page, top_p 1, no carry)."""
+        buf = np.zeros(self.size, np.int32)
+        views = {name: buf[o:o + math.prod(d)].reshape(d) for name, (o, d) in self.fields.items()}
+        views["d_table"][:] = trash_page
+        views["p_table"][:] = trash_page
+        views["d_carry"][:] = -1
+        views["top_p"].view(np.float32)[:] = 1.0
+        views["_buffer"] = buf
+        return views
+
+    def unpack(self, packed: jax.Array) -> dict[str, jax.Array]:
+        out = {}
+        for name, (o, d) in self.fields.items():
+            out[name] = jax.lax.slice_in_dim(packed, o, o + math.prod(d)).reshape(d)
+        for name in ("temperature", "top_p"):
+            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+        out["key"] = jax.lax.bitcast_convert_type(out["key"], jnp.uint32)
+        return out
+
+
+ForwardFn = Callable[..., tuple[jax.Array, Any]]  # (params, tokens, positions, kv, attend) -> (hidden, kv)
+LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> float32 logits [R, V]
+
+
+def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
+                prev_tokens, out_tokens, out_logprobs, out_top_ids, packed):
+    """Returns (out_tokens, out_logprobs, out_top_ids, kv). prev_tokens is the previous step's token output (read for
+    carry-over, never donated); the three output buffers and kv are donated and come back updated in place."""
+    f = StepLayout(shape, static).unpack(packed)
+    Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
+    ps, trash = static.page_size, static.trash_page
+
+    # Decode inputs: a carried-over token is read on the device from the previous step's output.
+    d_tokens = jnp.where(f["d_carry"] >= 0, prev_tokens[jnp.maximum(f["d_carry"], 0)], f["d_tokens"])
+    d_pos = f["d_pos"]
+    p_pos = f["p_start"][:, None] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
+    p_valid = jnp.arange(Tp)[None, :] < f["p_len"][:, None]
+    tokens = jnp.concatenate([d_tokens, f["p_tokens"].reshape(-1)])
+    positions = jnp.concatenate([d_pos, p_pos.reshape(-1)])
+    trash_slots = trash * ps + jnp.arange(Tp, dtype=jnp.int32) % ps
+    slots = jnp.concatenate([
+        token_slots(f["d_table"], d_pos[:, None], ps)[:, 0],
+        jnp.where(p_valid, token_slots(f["p_table"], p_pos, ps), trash_slots[None, :]).reshape(-1),
+    ])
+    attn = dict(page_size=ps, pages_per_block=static.pages_per_block, sliding_window=static.sliding_window)
+
+    def attend(q, k, v, kv, layer):
+        k_pool, v_pool = kv
+        k_pool = k_pool.at[layer, slots].set(k.astype(k_pool.dtype))
+        v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
+        parts = []
+        if Bd:
+            parts.append(paged_attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1,
+                                         **attn).reshape(Bd, *q.shape[1:]))
+        if Bp:
+            qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
+            out = paged_attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"], **attn)
+            parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
+
+    hidden, kv = forward(params, tokens, positions, kv, attend)
+    last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
+                            Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])
+    logits = logits_fn(params, hidden[last])
+    tokens_out = sample(logits, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+    out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
+
+    K = static.max_logprobs
+    if K:
+        def with_logprobs(ops):
+            lp_buf, ids_buf = ops
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            top_lp, top_ids = jax.lax.top_k(lp, K)
+            chosen = jnp.take_along_axis(lp, tokens_out[:, None], axis=-1)
+            lp_buf = jax.lax.dynamic_update_slice(lp_buf, jnp.concatenate([chosen, top_lp], axis=1), (0, 0))
+            ids_buf = jax.lax.dynamic_update_slice(ids_buf, top_ids.astype(jnp.int32), (0, 0))
+            return lp_buf, ids_buf
+
+        # top_k over the vocabulary is only paid for when some row asked for logprobs.
+        out_logprobs, out_top_ids = jax.lax.cond(jnp.any(f["logprobs"] > 0), with_logprobs, lambda ops: ops,
+                                                 (out_logprobs, out_top_ids))
+    return out_tokens, out_logprobs, out_top_ids, kv

@@ -1,0 +1,40 @@
+"""The small protocol a model follows to run in the engine, so researchers can plug in their own JAX model.
+
+A model is a params pytree plus two pure functions:
+
+    forward(params, tokens, positions, kv, attend) -> (hidden, kv)
+        tokens, positions: int32 arrays of one shape (the engine passes a flat [N]); hidden: [..., D].
+        For each layer i, call `o, kv = attend(q, k, v, kv, i)` with q [..., Hq, hd], k/v [..., Hkv, hd] (RoPE applied):
+        the engine's attention writes k/v into its paged cache and returns o [..., Hq, hd]. Thread `kv` through
+        (a `lax.scan` carry or a Python loop both work) and return it.
+    logits(params, hidden [R, D]) -> float32 logits [R, V]
+
+and a config with num_layers, num_kv_heads, head_dim, vocab_size, max_position_embeddings, sliding_window and
+eos_token_ids (a `ModelConfig` with architecture="custom" does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jphoton.config import ModelConfig
+from jphoton.models import llama
+
+
+@dataclasses.dataclass
+class JaxModel:
+    config: ModelConfig
+    params: Any
+    forward: Callable
+    logits: Callable
+    tokenizer: Any = None
+    name: str = ""
+
+
+def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "") -> JaxModel:
+    def forward(params, tokens, positions, kv, attend):
+        return llama.forward(params, config, tokens, positions, kv, attend)
+
+    return JaxModel(config, params, forward, llama.lm_head, tokenizer, name or config.name)
