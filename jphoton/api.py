@@ -214,6 +214,11 @@ class LLM:
             if p.max_tokens is not None and len(ids) + p.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context "
                                  f"({self.max_model_len}); lower max_tokens or pass max_tokens=None")
+            pool = self.engine.pages
+            need = pool.pages_for(len(ids) + (p.max_tokens or self.max_model_len - len(ids)))
+            if need > pool.num_pages:
+                raise ValueError(f"request needs {need} KV pages but the whole pool holds {pool.num_pages}; "
+                                 "lower max_tokens or give the engine more KV memory")
             if p.logprobs and p.logprobs > self.max_logprobs:
                 raise ValueError(f"logprobs={p.logprobs} exceeds this engine's max_logprobs={self.max_logprobs}")
             bad = [t for t in p.stop_token_ids if t >= self.config.vocab_size]

@@ -1,0 +1,215 @@
+"""The serving engine: continuous batching, chunked prefill, preemption, bucketed compiles, streaming, zombies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from jphoton import SamplingParams
+from jphoton.engine.step import StepShape
+from jphoton.models.llama import reference_logits
+from jphoton.reference import ReferenceDecoder
+
+from conftest import FIXTURES, make_llm
+
+MAX_TOKENS = (32, 10, 32, 5, 32, 20)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    ref = np.load(FIXTURES / "embedded" / "reference.npz")
+    return [(ref[f"prompt_{i}"].tolist(), ref[f"tokens_{i}"].tolist()) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def embedded_d2():
+    return make_llm(pipeline_depth=2)
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mixed_batch_matches_hf_reference_and_alone(embedded_llm, embedded_d2, hf, depth):
+    llm = embedded_llm if depth == 1 else embedded_d2
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
+    for out, (_, ref), n in zip(outs, hf, MAX_TOKENS, strict=True):
+        assert out.token_ids == ref[:n]
+        assert out.finish_reason == "length"
+    # the dense-cache reference decoder, on the same batch
+    seqs = llm._make_sequences([p for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
+    ReferenceDecoder(llm.config, llm.model.params).run(seqs)
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
+    # each prompt alone (two of them, to keep the suite fast)
+    for i in (1, 4):
+        assert llm.generate({"prompt_token_ids": hf[i][0]}, _greedy(MAX_TOKENS[i]))[0].token_ids == outs[i].token_ids
+
+
+def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_llm, embedded_d2, hf):
+    """Arrivals keyed to the step index (deterministic); EOS finishes and one abort; tokens must not depend on depth."""
+    def run(llm):
+        rng = np.random.default_rng(7)
+        arrivals = sorted(rng.integers(0, 12, size=6).tolist())
+        eng = llm.engine
+        seqs, pending, step = [], list(range(6)), 0
+        while pending or any(not s.finalized for s in seqs):
+            while pending and arrivals[len(seqs)] <= step:
+                i = pending.pop(0)
+                params = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0, ignore_eos=i % 2 == 0)
+                [s] = llm._make_sequences([hf[i][0]], params)
+                llm._submit(s)
+                seqs.append(s)
+            if len(seqs) > 2 and len(seqs[2].output_ids) >= 3:  # keyed to tokens: ticks differ between depths
+                llm.engine.abort(seqs[2].request_id)
+            llm._tick()
+            step += 1
+        while eng.has_work():
+            llm._tick()
+        for s in seqs:
+            llm._outputs.pop(s.request_id, None)
+        return [(s.output_ids, s.finish_reason) for s in seqs]
+
+    a, b = run(embedded_llm), run(embedded_d2)
+    assert a == b
+    assert {"length", "abort"} <= {r for _, r in a}
+
+
+def test_preemption_with_a_tiny_pool_matches_an_unpreempted_run():
+    model = str(FIXTURES / "tiny" / "llama3")
+    prompts = [{"prompt_token_ids": list(range(3 + i, 23 + i))} for i in range(5)]
+    params = _greedy(40)
+    big = make_llm(model, warmup=False).generate(prompts, params)
+    for depth in (1, 2):
+        small = make_llm(model, warmup=False, num_kv_pages=8, page_size=8, pipeline_depth=depth)
+        outs = small.generate(prompts, params)
+        assert small.stats()["preemptions"] > 0
+        assert [o.token_ids for o in outs] == [o.token_ids for o in big]
+        assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_request_larger_than_the_whole_pool_is_refused_at_submission():
+    llm = make_llm(str(FIXTURES / "tiny" / "llama2"), warmup=False, num_kv_pages=4, page_size=8)
+    with pytest.raises(ValueError, match="whole pool"):
+        llm.generate({"prompt_token_ids": [5] * 20}, _greedy(20))
+    assert llm.generate({"prompt_token_ids": [5] * 10}, _greedy(4))[0].finish_reason == "length"
+
+
+def test_no_compile_after_warmup_under_any_request_mix(embedded_llm, hf):
+    llm = embedded_llm
+    before = llm.stats()["num_compiles"]
+    llm.generate([{"prompt_token_ids": hf[0][0] * 3}], _greedy(3))  # a long prompt: several chunks
+    llm.generate([{"prompt_token_ids": p[:7]} for p, _ in hf[:3]],
+                 [SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1),
+                  SamplingParams(max_tokens=6, temperature=0.5, top_k=5, logprobs=3),
+                  SamplingParams(max_tokens=2, stop=["the"])])
+    assert list(llm.stream("Tell me a story.", SamplingParams(max_tokens=5)))
+    assert llm.stats()["num_compiles"] == before
+    # The counter is real: a shape outside the buckets, forced on purpose, compiles.
+    llm.engine.runner.warmup([StepShape(3, 0, 0)])
+    assert llm.stats()["num_compiles"] > before
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_steady_state_loop_makes_no_implicit_host_to_device_transfer(embedded_llm, embedded_d2, hf, depth):
+    llm = embedded_llm if depth == 1 else embedded_d2
+    with jax.transfer_guard_host_to_device("disallow"):
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf[:3]], _greedy(6))
+    assert [o.token_ids for o in outs] == [ref[:6] for _, ref in hf[:3]]
+
+
+def test_stream_matches_generate_and_closing_it_aborts(embedded_llm):
+    llm = embedded_llm
+    full = llm.generate("Write a haiku about the sea.", _greedy(20))[0]
+    deltas = list(llm.stream("Write a haiku about the sea.", _greedy(20)))
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    it = llm.stream("Write a haiku about the sea.", _greedy(20))
+    next(it)
+    next(it)
+    it.close()  # aborts; the autouse check then finds every page back
+
+
+def test_logprobs_are_the_models_log_softmax(embedded_llm, hf):
+    llm = embedded_llm
+    prompt = hf[3][0]
+    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    logits = reference_logits(llm.model.params, llm.config, [np.array(prompt + out.token_ids[:-1])])[0]
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1,
+                                                                                                           keepdims=True)
+    assert len(out.logprobs) == 4
+    for i, (tok, lp, top) in enumerate(out.logprobs):
+        pos = len(prompt) - 1 + i
+        assert tok == out.token_ids[i] and len(top) == 3
+        assert abs(lp - lsm[pos, tok]) < 1e-4
+        assert max(top, key=top.get) == tok  # greedy: the chosen token is the most likely
+        for t, v in top.items():
+            assert abs(v - lsm[pos, t]) < 1e-4
+
+
+def test_zombie_rides_along_and_appends_nothing(embedded_d2, hf):
+    """At depth 2 a sequence stopping at step t is already in t+1's batch: finalized at t's commit, it must append
+    nothing at t+1's commit and give its pages back only afterwards."""
+    llm = embedded_d2
+    prompt, ref = hf[0]
+    stop_at = ref[2]  # the third greedy token
+    [seq] = llm._make_sequences([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
+    llm._submit(seq)
+    refs_at_launch = []
+    launch = llm.engine.runner.launch
+
+    def spy(plan):  # refs right after a launch, before the commit of the step before it
+        slot = launch(plan)
+        refs_at_launch.append(seq.inflight_refs)
+        return slot
+
+    llm.engine.runner.launch = spy
+    zombie_seen = False
+    while llm.engine.has_work():
+        llm._tick()
+        if seq.finalized and seq.inflight_refs > 0:
+            zombie_seen = True
+            assert seq.block_table and seq.status == "running"  # not released while referenced
+    del llm.engine.runner.launch
+    llm._outputs.pop(seq.request_id)
+    assert max(refs_at_launch) == 2 and zombie_seen
+    assert seq.output_ids == ref[:3] and seq.finish_reason == "stop"
+    assert seq.status == "released"
+
+
+def test_async_engine_serves_many_concurrent_requests(embedded_llm, hf):
+    from jphoton.async_llm import AsyncLLM
+
+    engine = AsyncLLM(embedded_llm)
+
+    async def one(i):
+        toks = []
+        async for out in engine.generate({"prompt_token_ids": hf[i % 6][0]}, _greedy(8)):
+            toks += out.delta.token_ids
+        return toks
+
+    async def cancelled():
+        async for _ in engine.generate("Hello there", _greedy(50)):
+            break  # leaving early aborts
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(12)), cancelled())
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit("x", SamplingParams(temperature=-1))
+        return results
+
+    try:
+        results = asyncio.run(main())
+        assert [r for r in results[:12]] == [hf[i % 6][1][:8] for i in range(12)]
+        for _ in range(200):  # the abort lands on the engine thread a tick later
+            if not embedded_llm.engine.has_work():
+                break
+            import time
+
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
