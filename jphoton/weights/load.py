@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jphoton.config import ModelConfig
 from jphoton.models.llama import check_params
 from jphoton.tokenizer import Tokenizer
-from jphoton.weights import gguf_file, hf, store
+from jphoton.weights import hf, store
 from jphoton.weights.embedded import embedded_model_path
 from jphoton.weights.random_init import parse_random_spec, random_params
 
@@ -85,6 +85,8 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
             cfg, params, tok = store.load_store(cached, dt)
             kind = f"GGUF (cached conversion {cached})"
         else:
+            from jphoton.weights import gguf_file  # gguf-py is only needed for GGUF sources
+
             cfg, params, tok = gguf_file.load_gguf(path, dt, progress=progress)
             kind = "GGUF"
             if cached is not None:

@@ -1,0 +1,116 @@
+"""Helpers shared by the benchmark scripts: device facts, read bandwidth, a timed engine run, result files."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def device_info() -> dict:
+    d = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "device": d.device_kind,
+            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version()}
+
+
+def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
+    """Bytes/s of a large `jnp.sum` (a pure read), measured now, on this device."""
+    n = int(gib * 2**30) // 2
+    x = jax.jit(lambda: jnp.ones((n,), jnp.bfloat16))()
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(x)
+    out.block_until_ready()
+    bw = n * 2 * reps / (time.perf_counter() - t0)
+    del x
+    return bw
+
+
+def param_bytes(params) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
+
+
+@dataclasses.dataclass
+class RunStats:
+    batch: int
+    depth: int
+    wall_s: float
+    new_tokens: int
+    decode_steps: int
+    decode_ms_median: float  # ms per tick in which only decode rows ran
+    decode_ms_mean: float
+    ttft_ms_median: float
+    compiles_during_run: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.wall_s
+
+
+def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunStats:
+    """Submit every prompt at once, tick the engine to the end, and time each tick by the kind of step it launched."""
+    from jphoton.engine import compiles
+
+    seqs = llm._make_sequences(prompts, params)
+    for s in seqs:
+        llm._submit(s)
+    kinds = []
+    plan = llm.engine.scheduler.plan
+
+    def spy():
+        p = plan()
+        kinds.append(None if p is None else ("decode" if not p.prefill else "prefill"))
+        return p
+
+    llm.engine.scheduler.plan = spy
+    c0 = compiles.num_compiles()
+    ticks, first_token = [], {}
+    t_start = time.perf_counter()
+    ctx = jax.transfer_guard("disallow") if guard else _null()
+    try:
+        with ctx:
+            while llm.engine.has_work():
+                t0 = time.perf_counter()
+                llm._tick()
+                ticks.append(time.perf_counter() - t0)
+                for s in seqs:
+                    if s.output_ids and s.request_id not in first_token:
+                        first_token[s.request_id] = time.perf_counter() - t_start
+    finally:
+        del llm.engine.scheduler.plan
+    wall = time.perf_counter() - t_start
+    for s in seqs:
+        llm._outputs.pop(s.request_id, None)
+    decode = [t for t, k in zip(ticks, kinds, strict=True) if k == "decode"]
+    decode = decode[2:] or decode  # the first ticks after the last prefill still carry its commit
+    return RunStats(batch=len(prompts), depth=llm.engine.depth, wall_s=wall,
+                    new_tokens=sum(len(s.output_ids) for s in seqs), decode_steps=len(decode),
+                    decode_ms_median=1e3 * statistics.median(decode), decode_ms_mean=1e3 * statistics.fmean(decode),
+                    ttft_ms_median=1e3 * statistics.median(first_token.values()),
+                    compiles_during_run=compiles.num_compiles() - c0)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o)
+                            else str(o)))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU benchmark suite, run on the device machine (device tool): `bash benchmarks/gpu_suite.sh SECTION [SECTION...]`.
+# Each section finishes in under 8 minutes and writes $OUT/<section>.json and $OUT/<section>.log; the numbers are then
+# copied into benchmarks/RESULTS.md with the date, device, jax version and this command.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
+OUT=${OUT:-/tmp/jphoton-bench}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # wheels the device image lacks (see benchmarks/README.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+run() {  # run NAME CMD...: time-boxed, logged
+  local name=$1; shift
+  echo "=== $name: $*"
+  timeout 470 "$@" 2>&1 | grep -v "^INFO:absl" | tee "$OUT/$name.log"
+}
+
+for section in "$@"; do
+  case $section in
+    throughput)  # issue 3: engine decode throughput, random Llama-3.2-1B shape, blocking and pipelined
+      run throughput python3 benchmarks/throughput.py --model random:llama3.2-1b --batch 1 8 32 128 \
+        --prompt-len 128 --new-tokens 128 --out "$OUT/throughput.json" ;;
+    *) echo "unknown section $section"; exit 2 ;;
+  esac
+done

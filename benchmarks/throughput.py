@@ -1,0 +1,82 @@
+"""Decode throughput of the engine: B requests with a P-token prompt and N new tokens each, all submitted at once.
+
+Reports ms per decode step, tok/s, the fraction of the HBM floor (weight + KV bytes read per step over the read
+bandwidth measured in the same run with a large jnp.sum) and compiles after warm-up, for blocking (depth 1) and
+pipelined (depth 2) loops.
+
+    python benchmarks/throughput.py --model random:llama3.2-1b --batch 1 8 32 128 --out /tmp/throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from benchmarks.common import device_info, param_bytes, read_bandwidth, timed_run, write_json  # noqa: E402
+from jphoton import LLM, SamplingParams  # noqa: E402
+
+
+def kv_bytes_read(cfg, batch: int, ctx: float, itemsize: int) -> float:
+    return batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--out", default="throughput.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("jphoton").setLevel(logging.INFO)
+
+    info = device_info()
+    bw = read_bandwidth()
+    print(f"{info}\nread bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    max_b = max(args.batch)
+    ctx_len = args.prompt_len + args.new_tokens
+    page_size = 16
+    rows = []
+    for depth in args.depths:
+        t0 = time.perf_counter()
+        llm = LLM(args.model, max_model_len=max(512, ctx_len), pipeline_depth=depth, page_size=page_size,
+                  num_kv_pages=max_b * (-(-ctx_len // page_size)) + 8, max_num_seqs=max_b,
+                  decode_buckets=tuple(sorted(set(args.batch))), max_num_batched_tokens=8 * args.prompt_len,
+                  prefill_buckets=((1, args.prompt_len), (8, args.prompt_len)), progress=True)
+        startup = time.perf_counter() - t0
+        wbytes = param_bytes(llm.model.params)
+        itemsize = llm.model.params["embed"].dtype.itemsize
+        print(f"depth {depth}: start-up (load + compile all buckets) {startup:.1f}s, "
+              f"compiles so far {llm.stats()['num_compiles']}", flush=True)
+        rng = np.random.default_rng(0)
+        for b in args.batch:
+            prompts = [rng.integers(0, llm.config.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+            params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+            timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm caches
+            r = timed_run(llm, prompts, params)
+            floor_s = (wbytes + kv_bytes_read(llm.config, b, args.prompt_len + args.new_tokens / 2, itemsize)) / bw
+            row = dict(batch=b, depth=depth, decode_ms=r.decode_ms_median, decode_ms_mean=r.decode_ms_mean,
+                       decode_tok_s=b / (r.decode_ms_median / 1e3), e2e_tok_s=r.tok_s, wall_s=r.wall_s,
+                       ttft_ms=r.ttft_ms_median, floor_ms=floor_s * 1e3,
+                       floor_fraction=floor_s * 1e3 / r.decode_ms_median, compiles_during_run=r.compiles_during_run,
+                       stats=llm.stats())
+            rows.append(row)
+            print(f"B={b:4d} depth={depth}: decode {r.decode_ms_median:7.3f} ms/step (mean {r.decode_ms_mean:.3f}), "
+                  f"{row['decode_tok_s']:9.0f} tok/s decode, {r.tok_s:9.0f} tok/s end to end, TTFT {r.ttft_ms_median:.1f} ms, "
+                  f"floor {row['floor_ms']:.3f} ms ({row['floor_fraction']:.0%} of floor speed), "
+                  f"compiles during run {r.compiles_during_run}", flush=True)
+        del llm
+    write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
+                          "weight_bytes": wbytes})
+
+
+if __name__ == "__main__":
+    main()
