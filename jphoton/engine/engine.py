@@ -15,6 +15,7 @@ import logging
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import DecodeSlot, Runner, StepResult
 from jphoton.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import Delta, Sequence
 
 log = logging.getLogger("jphoton.engine")
@@ -43,6 +44,8 @@ class Engine:
         self.inflight: collections.deque[DecodeSlot] = collections.deque()
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
         self.num_steps = 0
+        self.telemetry = Telemetry()
+        self._records: dict[int, StepRecord] = {}
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -70,15 +73,27 @@ class Engine:
     def step(self) -> list[Output]:
         """One tick: launch the next step if there is one, then commit what the pipeline depth says is due."""
         outputs: list[Output] = []
+        now = self.telemetry.now
+        t_plan = now()
         plan = self.scheduler.plan()
         if plan is not None:
+            kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
+            rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan, t_launch=now())
             self.inflight.append(self.runner.launch(plan))
+            rec.t_launched = now()
+            self._records[plan.step_id] = rec
             self.num_steps += 1
         keep = self.depth - 1 if plan is not None else 0
         while len(self.inflight) > keep:
             slot = self.inflight.popleft()
             step_plan = slot.plan
-            outputs += self._commit(step_plan, self.runner.fetch(slot))
+            rec = self._records.pop(step_plan.step_id)
+            rec.t_commit = now()
+            result = self.runner.fetch(slot)
+            rec.t_ready = now()
+            outputs += self._commit(step_plan, result)
+            rec.t_committed = now()
+            self.telemetry.add(rec)
         return outputs
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[Output]:

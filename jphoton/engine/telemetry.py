@@ -1,0 +1,47 @@
+"""Per-step host timestamps: when a step was planned, dispatched, and committed (and how long the commit waited for
+the device). Kept in a bounded ring, exportable as a JSON timeline and plotted by benchmarks/plot_timeline.py."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step_id: int
+    kind: str  # "decode" | "prefill" | "mixed"
+    rows: int
+    tokens: int
+    t_plan: float = 0.0  # planning starts
+    t_launch: float = 0.0  # inputs packed, dispatch starts
+    t_launched: float = 0.0  # dispatch returned (the device may still be busy with earlier steps)
+    t_commit: float = 0.0  # commit starts: waiting for this step's host copy
+    t_ready: float = 0.0  # host copy landed (the device finished this step no later than this)
+    t_committed: float = 0.0  # tokens appended, deltas built, stops checked
+
+
+class Telemetry:
+    def __init__(self, capacity: int = 100_000):
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self.enabled = True
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def add(self, record: StepRecord) -> None:
+        if self.enabled:
+            self.records.append(record)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def timeline(self) -> list[dict]:
+        return [dataclasses.asdict(r) for r in self.records]
+
+    def export_json(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.timeline(), f)
