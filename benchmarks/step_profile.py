@@ -31,7 +31,7 @@ def main():
     args = ap.parse_args()
     maxb = max(args.batch)
     for depth in args.depths:
-        llm = LLM(args.model, max_model_len=512, pipeline_depth=depth, num_kv_pages=maxb * 16 + 8, max_num_seqs=maxb,
+        llm = LLM(args.model, max_model_len=512, pipeline_depth=depth, context_buckets=(16, 32), num_kv_pages=maxb * 16 + 8, max_num_seqs=maxb,
                   decode_buckets=tuple(args.batch), max_num_batched_tokens=1024, prefill_buckets=((8, 128),))
         rng = np.random.default_rng(0)
         for b in args.batch:
@@ -49,7 +49,7 @@ def main():
                   flush=True)
             # device-only: the same decode step dispatched back to back, no host work in between
             runner = llm.engine.runner
-            shape = next(s for s in runner._layouts if s.decode_rows == b and s.prefill_rows == 0)
+            shape = next(s for s in runner._layouts if s.decode_rows == b and s.prefill_rows == 0 and s.ctx_pages <= 16)
             packed = runner.layout(shape).empty(runner.static.trash_page)["_buffer"]
             packed_dev = jax.device_put(packed, runner.device)
             for n in (3, 20):

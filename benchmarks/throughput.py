@@ -47,7 +47,9 @@ def main() -> None:
     rows = []
     for depth in args.depths:
         t0 = time.perf_counter()
-        llm = LLM(args.model, max_model_len=max(512, ctx_len), pipeline_depth=depth, page_size=page_size,
+        max_len = max(512, ctx_len)
+        llm = LLM(args.model, max_model_len=max_len, pipeline_depth=depth, page_size=page_size,
+                  context_buckets=tuple(sorted({-(-ctx_len // page_size), -(-max_len // page_size)})),
                   num_kv_pages=max_b * (-(-ctx_len // page_size)) + 8, max_num_seqs=max_b,
                   decode_buckets=tuple(sorted(set(args.batch))), max_num_batched_tokens=8 * args.prompt_len,
                   prefill_buckets=((1, args.prompt_len), (8, args.prompt_len)), progress=True)

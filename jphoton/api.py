@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import jax
 import numpy as np
 
 from jphoton.engine import compiles
@@ -41,16 +42,27 @@ class LLM:
                  seed: int = 0, pipeline_depth: int = 1, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_memory_fraction: float = 0.85, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  decode_buckets: tuple[int, ...] | None = None,
-                 prefill_buckets: tuple[tuple[int, int], ...] | None = None, max_logprobs: int = 20,
+                 prefill_buckets: tuple[tuple[int, int], ...] | None = None,
+                 context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
+                 unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = False, warmup: bool = True):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
+        accelerator = jax.default_backend() != "cpu"
+        if attention == "auto":
+            # On GPU a data-dependent loop would sync the host every iteration: static context buckets there.
+            attention = "static" if accelerator else "dynamic"
+        if attention not in ("static", "dynamic"):
+            raise ValueError(f"attention must be 'auto', 'static' or 'dynamic', got {attention!r}")
+        if unroll_layers is None:
+            unroll_layers = accelerator
         if isinstance(model, JaxModel):
             self.model = model
         else:
             loaded = load_model(model, dtype, cache=cache_converted, progress=progress)
-            self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source)
+            self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
+                                      unroll_layers=unroll_layers)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
         limit = self.config.max_position_embeddings
@@ -62,17 +74,29 @@ class LLM:
         self.max_logprobs = max_logprobs
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
+        pages_per_seq = -(-self.max_model_len // page_size)
+        if attention == "static":
+            context_buckets = tuple(context_buckets or _default_context_buckets(pages_per_seq))
+            if context_buckets[-1] < pages_per_seq:
+                raise ValueError(f"the largest context bucket ({context_buckets[-1]} pages) must cover max_model_len "
+                                 f"({pages_per_seq} pages of {page_size})")
+        else:
+            context_buckets = ()
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             decode_buckets=decode_buckets or _pow2_buckets(max_num_seqs),
-            prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens))
+            prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens),
+            context_buckets=context_buckets)
+        self.attention = attention
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(self.config, self.max_model_len, page_size, max_num_seqs,
                                               kv_memory_fraction, self.model.params)
         self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
                              max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs)
-        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: plain-JAX paged",
-                 num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth)
+        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: plain-JAX paged (%s%s), "
+                 "layers %s", num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attention,
+                 f", context buckets {context_buckets} pages" if context_buckets else "",
+                 "unrolled" if unroll_layers else "scanned")
         if warmup:
             self.engine.runner.warmup(progress=progress)
         self._outputs: dict[int, collections.deque[Output]] = {}
@@ -253,10 +277,17 @@ def _default_prefill_buckets(budget: int) -> tuple[tuple[int, int], ...]:
     return fit or ((1, budget),)
 
 
+def _default_context_buckets(pages_per_seq: int) -> tuple[int, ...]:
+    """Powers of four from 512 tokens (32 pages of 16) up to the whole context: few compiles, at most 4x waste."""
+    out, b = [], 32
+    while b < pages_per_seq:
+        out.append(b)
+        b *= 4
+    return (*out, pages_per_seq)
+
+
 def _default_num_pages(cfg, max_model_len: int, page_size: int, max_num_seqs: int, fraction: float, params) -> int:
     """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
-    import jax
-
     dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
     page_bytes = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     wanted = max_num_seqs * -(-max_model_len // page_size)

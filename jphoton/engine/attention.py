@@ -55,3 +55,29 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     _, _, l, acc = jax.lax.while_loop(lambda st: st[0] < n_blocks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no visible key (padding) give zeros, not NaN
     return out.transpose(0, 3, 1, 2, 4).reshape(R, T, Hq, hd).astype(q.dtype)
+
+
+def paged_attention_static(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                           block_table: jax.Array, q_pos: jax.Array, ctx_len: jax.Array, *, page_size: int,
+                           num_pages: int, sliding_window: int | None = None) -> jax.Array:
+    """The same attention over a static number of pages per row (the step's context bucket): one gather, one softmax,
+    no loop. On GPU a data-dependent `while_loop` makes XLA bring its predicate to the host every iteration, which
+    serializes the step with the host; this form keeps the whole step asynchronous."""
+    R, T, Hq, hd = q.shape
+    Hkv = k_pool.shape[2]
+    pages = block_table[:, :num_pages]
+    slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(R, num_pages * page_size)
+    k = k_pool[layer, slots]  # [R, C, Hkv, hd]
+    v = v_pool[layer, slots]
+    k_pos = jnp.arange(num_pages * page_size)
+    visible = (k_pos[None, None, :] < ctx_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        visible &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    qg = q.reshape(R, T, Hkv, Hq // Hkv, hd)
+    s = jnp.einsum("rtkgd,rckd->rkgtc", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    s = jnp.where(visible[:, None, None], s, NEG)
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    p = jnp.where(visible[:, None, None], p, 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    out = jnp.einsum("rkgtc,rckd->rtkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(R, T, Hq, hd).astype(q.dtype)

@@ -43,7 +43,8 @@ class StepResult:
 def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
     decode = [0, *cfg.decode_buckets]
     prefill = [(0, 0), *cfg.prefill_buckets]
-    return [StepShape(d, r, t) for d in decode for r, t in prefill if d or r]
+    contexts = cfg.context_buckets or (0,)
+    return [StepShape(d, r, t, c) for c in contexts for d in decode for r, t in prefill if d or r]
 
 
 class Runner:
@@ -107,7 +108,7 @@ class Runner:
     # ---- one step --------------------------------------------------------------------------------------------------
     def pack(self, plan: StepPlan) -> tuple[StepShape, np.ndarray]:
         pr, pt = plan.prefill_bucket
-        shape = StepShape(plan.decode_bucket, pr, pt)
+        shape = StepShape(plan.decode_bucket, pr, pt, plan.context_bucket)
         v = self.layout(shape).empty(self.static.trash_page)
         temperature, top_p = v["temperature"].view(np.float32), v["top_p"].view(np.float32)
         for i, row in enumerate(plan.decode):

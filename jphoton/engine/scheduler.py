@@ -20,12 +20,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # valid tokens per step (decode rows + prefill chunk tokens)
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[tuple[int, int], ...] = ((1, 32), (1, 128), (4, 128), (1, 512))  # (rows, tokens per row)
+    context_buckets: tuple[int, ...] = ()  # pages attended per row (static attention); () = dynamic attention loop
 
     def __post_init__(self):
         if not self.decode_buckets or sorted(self.decode_buckets) != list(self.decode_buckets):
             raise ValueError("decode_buckets must be a non-empty ascending tuple")
         if not self.prefill_buckets or any(r < 1 or t < 1 for r, t in self.prefill_buckets):
             raise ValueError("prefill_buckets must be non-empty (rows, tokens) pairs of positive sizes")
+        if list(self.context_buckets) != sorted(self.context_buckets) or any(c < 1 for c in self.context_buckets):
+            raise ValueError("context_buckets must be ascending positive page counts")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
@@ -55,6 +58,7 @@ class StepPlan:
     prefill: list[Row]
     decode_bucket: int  # padded decode rows (0 = none)
     prefill_bucket: tuple[int, int]  # padded (rows, tokens per row); (0, 0) = none
+    context_bucket: int = 0  # pages attended per row; 0 = dynamic
 
     @property
     def rows(self) -> list[Row]:
@@ -114,6 +118,9 @@ class Scheduler:
             return None
         decode_bucket = _smallest_at_least(self.config.decode_buckets, len(decode)) if decode else 0
         plan = StepPlan(step_id, decode, prefill, decode_bucket, prefill_bucket)
+        if self.config.context_buckets:
+            need = max(self.pages.pages_for(r.start + r.num_tokens) for r in plan.rows)
+            plan.context_bucket = _smallest_at_least(self.config.context_buckets, need)
         for i, row in enumerate(decode):
             row.out_row = i
         for j, row in enumerate(prefill):

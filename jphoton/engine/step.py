@@ -8,6 +8,7 @@ lives in it for a given bucket shape, and is used both to pack (host) and to unp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.engine.attention import paged_attention, token_slots
+from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
 from jphoton.sampling import sample
 
 
@@ -25,6 +26,7 @@ class StepShape:
     decode_rows: int  # Bd (0 = no decode part)
     prefill_rows: int  # Bp (0 = no prefill part)
     prefill_tokens: int  # Tp, tokens per prefill row
+    ctx_pages: int = 0  # pages every row attends over (the context bucket); 0 = dynamic loop up to the longest context
 
     @property
     def rows(self) -> int:
@@ -110,7 +112,12 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         token_slots(f["d_table"], d_pos[:, None], ps)[:, 0],
         jnp.where(p_valid, token_slots(f["p_table"], p_pos, ps), trash_slots[None, :]).reshape(-1),
     ])
-    attn = dict(page_size=ps, pages_per_block=static.pages_per_block, sliding_window=static.sliding_window)
+    if shape.ctx_pages:
+        attention = functools.partial(paged_attention_static, page_size=ps, num_pages=shape.ctx_pages,
+                                      sliding_window=static.sliding_window)
+    else:
+        attention = functools.partial(paged_attention, page_size=ps, pages_per_block=static.pages_per_block,
+                                      sliding_window=static.sliding_window)
 
     def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
@@ -118,11 +125,11 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
         parts = []
         if Bd:
-            parts.append(paged_attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1,
-                                         **attn).reshape(Bd, *q.shape[1:]))
+            parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1
+                                   ).reshape(Bd, *q.shape[1:]))
         if Bp:
             qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
-            out = paged_attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"], **attn)
+            out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])
             parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 

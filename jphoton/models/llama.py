@@ -87,12 +87,13 @@ def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
-            attend: Attend) -> tuple[jax.Array, Any]:
+            attend: Attend, unroll: bool = False) -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
     Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer scan's carry
     (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
-    into it and returns the attention output [..., Hq, hd]."""
+    into it and returns the attention output [..., Hq, hd]. `unroll` unrolls the layer loop: longer compiles, but no
+    loop control between layers (on GPU each loop iteration is a synchronisation point for XLA)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens]
 
@@ -109,7 +110,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
         return (x, kv), None
 
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 

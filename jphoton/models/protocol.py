@@ -33,8 +33,8 @@ class JaxModel:
     name: str = ""
 
 
-def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "") -> JaxModel:
+def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False) -> JaxModel:
     def forward(params, tokens, positions, kv, attend):
-        return llama.forward(params, config, tokens, positions, kv, attend)
+        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers)
 
     return JaxModel(config, params, forward, llama.lm_head, tokenizer, name or config.name)
