@@ -41,11 +41,15 @@ def main():
             recs = [r for r in llm.engine.telemetry.records if r.kind == "decode"][4:]
             plan = [r.t_launch - r.t_plan for r in recs]
             dispatch = [r.t_launched - r.t_launch for r in recs]
+            parts = {k: med([getattr(r, b) - getattr(r, a) for r in recs]) for k, a, b in (
+                ("pack", "t_launch", "t_packed"), ("put", "t_packed", "t_put"), ("call", "t_put", "t_dispatched"),
+                ("d2h", "t_dispatched", "t_launched"))}
             wait = [r.t_ready - r.t_commit for r in recs]
             commit = [r.t_committed - r.t_ready for r in recs]
             period = [b2.t_launch - a.t_launch for a, b2 in zip(recs, recs[1:], strict=False)]
             print(f"depth {depth} B={b}: plan+pack {med(plan):.3f} ms, dispatch {med(dispatch):.3f} ms, "
-                  f"wait {med(wait):.3f} ms, commit {med(commit):.3f} ms, launch period {med(period):.3f} ms",
+                  f"wait {med(wait):.3f} ms, commit {med(commit):.3f} ms, launch period {med(period):.3f} ms; launch "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()),
                   flush=True)
             # device-only: the same decode step dispatched back to back, no host work in between
             runner = llm.engine.runner

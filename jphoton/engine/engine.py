@@ -79,7 +79,7 @@ class Engine:
         if plan is not None:
             kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
             rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan, t_launch=now())
-            self.inflight.append(self.runner.launch(plan))
+            self.inflight.append(self.runner.launch(plan, rec))
             rec.t_launched = now()
             self._records[plan.step_id] = rec
             self.num_steps += 1

@@ -131,10 +131,12 @@ class Runner:
             v["logprobs"][r] = p.logprobs or 0
         return shape, v["_buffer"]
 
-    def launch(self, plan: StepPlan) -> DecodeSlot:
+    def launch(self, plan: StepPlan, record=None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits."""
         shape, packed = self.pack(plan)
-        slot = self._dispatch(shape, packed)
+        if record is not None:
+            record.t_packed = time.perf_counter()
+        slot = self._dispatch(shape, packed, record)
         slot.plan = plan
         # An intended, explicit copy: allowed even where a transfer guard polices the loop for accidental ones.
         with jax.transfer_guard_device_to_host("allow"):
@@ -144,13 +146,17 @@ class Runner:
                 slot.top_ids.copy_to_host_async()
         return slot
 
-    def _dispatch(self, shape: StepShape, packed: np.ndarray) -> DecodeSlot:
+    def _dispatch(self, shape: StepShape, packed: np.ndarray, record=None) -> DecodeSlot:
         """Run one step into the next slot: one explicit host->device copy, outputs and KV donated."""
         slot = self.slots[self._next_slot]
         assert slot.plan is None, "slot reused before the commit that reads it"
+        packed_dev = jax.device_put(packed, self.device)
+        if record is not None:
+            record.t_put = time.perf_counter()
         slot.tokens, slot.logprobs, slot.top_ids, self.kv = self._step(
-            shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logprobs, slot.top_ids,
-            jax.device_put(packed, self.device))
+            shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logprobs, slot.top_ids, packed_dev)
+        if record is not None:
+            record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
         self._next_slot ^= 1
         return slot

@@ -17,6 +17,9 @@ class StepRecord:
     tokens: int
     t_plan: float = 0.0  # planning starts
     t_launch: float = 0.0  # inputs packed, dispatch starts
+    t_packed: float = 0.0  # the packed input array is built
+    t_put: float = 0.0  # its host->device copy is enqueued
+    t_dispatched: float = 0.0  # the jitted step call returned
     t_launched: float = 0.0  # dispatch returned (the device may still be busy with earlier steps)
     t_commit: float = 0.0  # commit starts: waiting for this step's host copy
     t_ready: float = 0.0  # host copy landed (the device finished this step no later than this)
