@@ -31,8 +31,9 @@ def main():
     args = ap.parse_args()
     maxb = max(args.batch)
     for depth in args.depths:
-        llm = LLM(args.model, max_model_len=512, pipeline_depth=depth, context_buckets=(16, 32), num_kv_pages=maxb * 16 + 8, max_num_seqs=maxb,
-                  decode_buckets=tuple(args.batch), max_num_batched_tokens=1024, prefill_buckets=((8, 128),))
+        llm = LLM(args.model, max_model_len=512, pipeline_depth=depth, context_buckets=(16, 32),
+                  num_kv_pages=maxb * 16 + 8, max_num_seqs=maxb, decode_buckets=tuple(args.batch),
+                  max_num_batched_tokens=1024, prefill_buckets=((8, 128),))
         rng = np.random.default_rng(0)
         for b in args.batch:
             prompts = [rng.integers(0, llm.config.vocab_size, 128).tolist() for _ in range(b)]
@@ -53,16 +54,16 @@ def main():
                   flush=True)
             # device-only: the same decode step dispatched back to back, no host work in between
             runner = llm.engine.runner
-            shape = next(s for s in runner._layouts if s.decode_rows == b and s.prefill_rows == 0 and s.ctx_pages <= 16)
+            shape = next(s for s in runner._layouts
+                         if s.decode_rows == b and s.prefill_rows == 0 and s.ctx_pages <= 16)
             packed = runner.layout(shape).empty(runner.static.trash_page)["_buffer"]
             packed_dev = jax.device_put(packed, runner.device)
             for n in (3, 20):
                 t0 = time.perf_counter()
                 for _ in range(n):
                     slot = runner.slots[runner._next_slot]
-                    slot.tokens, slot.logprobs, slot.top_ids, runner.kv = runner._step(
-                        shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logprobs,
-                        slot.top_ids, packed_dev)
+                    slot.tokens, slot.logits, runner.kv = runner._step(
+                        shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits, packed_dev)
                     runner._prev_tokens = slot.tokens
                     runner._next_slot ^= 1
                 jax.block_until_ready(runner.kv)

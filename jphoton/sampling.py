@@ -30,20 +30,40 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key_data: jax.Array,
-           index: jax.Array) -> jax.Array:
-    """logits [B, V] float32; temperature, top_p [B] float32; top_k [B] int32; key_data [B, 2] uint32; index [B] int32
-    (which output token this is). Returns int32 tokens [B]. Rows with temperature 0 are greedy."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
-    # The sort is only paid for when some sampled row asks for top-k/top-p.
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
-
-    def gumbel_row(kd, i):
+def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Array:
+    def row(kd, i):
         key = jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), i)
         return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
 
-    noise = jax.vmap(gumbel_row)(key_data, index)
-    sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return jax.vmap(row)(key_data, index)
+
+
+def sample_plain(logits: jax.Array, temperature: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Array:
+    """Greedy rows (temperature 0) and plain temperature sampling (Gumbel-max), no filters. logits [B, V] float32;
+    temperature [B]; key_data [B, 2] uint32; index [B] int32 (which output token this is). -> int32 [B].
+    No data-dependent control flow: on GPU a conditional makes XLA sync the host, so filtered sampling is a separate
+    executable (`sample`) that the runner dispatches only for steps that need it."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = jnp.argmax(scaled + _gumbel(logits, key_data, index), axis=-1).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key_data: jax.Array,
+           index: jax.Array) -> jax.Array:
+    """`sample_plain` after top-k (0 = off) / top-p (1 = off) filtering. With both off it draws exactly what
+    sample_plain draws (same noise, no-op filter), so a request's tokens never depend on which path ran."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    sampled = jnp.argmax(scaled + _gumbel(logits, key_data, index), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def top_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """([B, 1 + k] float32: the chosen token's logprob then the top k, [B, k] int32 ids) of the raw model
+    distribution (before temperature)."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)
+    return jnp.concatenate([chosen, top_lp], axis=1), top_ids.astype(jnp.int32)

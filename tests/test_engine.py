@@ -162,8 +162,8 @@ def test_zombie_rides_along_and_appends_nothing(embedded_d2, hf):
     refs_at_launch = []
     launch = llm.engine.runner.launch
 
-    def spy(plan):  # refs right after a launch, before the commit of the step before it
-        slot = launch(plan)
+    def spy(plan, record=None):  # refs right after a launch, before the commit of the step before it
+        slot = launch(plan, record)
         refs_at_launch.append(seq.inflight_refs)
         return slot
 
@@ -213,3 +213,15 @@ def test_async_engine_serves_many_concurrent_requests(embedded_llm, hf):
             time.sleep(0.01)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_static_context_attention_and_unrolled_layers_match_hf(family):
+    """The accelerator configuration (static context buckets, unrolled layers), run here on CPU against HF."""
+    from conftest import tiny_reference
+
+    llm = make_llm(str(FIXTURES / "tiny" / family), warmup=False, attention="static", context_buckets=(2, 4, 16),
+                   unroll_layers=True)
+    ref = tiny_reference(family)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], _greedy(len(ref[0][1])))
+    assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]

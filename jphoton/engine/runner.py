@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.engine.scheduler import SchedulerConfig, StepPlan
-from jphoton.engine.step import StepLayout, StepShape, StepStatic, engine_step
+from jphoton.engine.step import StepLayout, StepShape, StepStatic, engine_step, resample
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
@@ -28,9 +28,11 @@ class DecodeSlot:
     """One step's device outputs (donated each use, so no per-step allocation) and what the host got back."""
 
     tokens: jax.Array  # [max_rows] int32
+    logits: jax.Array  # [max_rows, V] float32: every row's logits, for the second sampler
     logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
     top_ids: jax.Array  # [max_rows, max(K, 1)] int32
     plan: StepPlan | None = None  # the step occupying the slot, until its commit
+    resampled: tuple[bool, int] | None = None  # which second sampler ran, if any
 
 
 @dataclasses.dataclass
@@ -58,8 +60,8 @@ class Runner:
         pages_per_seq = -(-pages_per_seq // ppb) * ppb
         max_rows = max(sched.decode_buckets) + max(r for r, _ in sched.prefill_buckets)
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
-                                 trash_page=num_pages, max_rows=max_rows, max_logprobs=max_logprobs,
-                                 sliding_window=cfg.sliding_window)
+                                 trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window)
+        self.max_logprobs = max_logprobs
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
         self.device = jax.devices()[0]
@@ -70,13 +72,16 @@ class Runner:
         self.kv = (self._zeros(shape, dtype), self._zeros(shape, dtype))
         self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize
         K = max_logprobs
-        self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32), self._zeros((max_rows, K + 1), jnp.float32),
+        self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32),
+                                 self._zeros((max_rows, cfg.vocab_size), jnp.float32),
+                                 self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
         self._next_slot = 0
         self._prev_tokens = self.slots[1].tokens
         self._layouts: dict[StepShape, StepLayout] = {}
         self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
-                             static_argnums=(0,), donate_argnums=(2, 4, 5, 6))
+                             static_argnums=(0,), donate_argnums=(2, 4, 5))
+        self._resample = jax.jit(resample, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
 
     def _zeros(self, shape, dtype) -> jax.Array:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -100,6 +105,9 @@ class Runner:
         for shape in it:
             inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
             self._dispatch(shape, inputs)
+        rows = np.zeros((self.static.max_rows, 7), np.int32)
+        for variant in self.resample_variants():
+            self._dispatch_resample(self.slots[0], variant, rows)
         jax.block_until_ready(self.kv)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
@@ -110,7 +118,7 @@ class Runner:
         pr, pt = plan.prefill_bucket
         shape = StepShape(plan.decode_bucket, pr, pt, plan.context_bucket)
         v = self.layout(shape).empty(self.static.trash_page)
-        temperature, top_p = v["temperature"].view(np.float32), v["top_p"].view(np.float32)
+        temperature = v["temperature"].view(np.float32)
         for i, row in enumerate(plan.decode):
             v["d_tokens"][i] = row.tokens[0] if row.tokens else 0
             v["d_carry"][i] = row.carry_from
@@ -124,12 +132,32 @@ class Runner:
             table = row.seq.block_table
             v["p_table"][j, :len(table)] = table
         for row in plan.rows:
-            r, p = row.out_row, row.seq.params
-            temperature[r], v["top_k"][r], top_p[r] = p.temperature, p.top_k, p.top_p
+            r = row.out_row
+            temperature[r] = row.seq.params.temperature
             v["key"][r] = seed_key_data(row.seq.seed).view(np.int32)
             v["sample_index"][r] = row.sample_index
-            v["logprobs"][r] = p.logprobs or 0
         return shape, v["_buffer"]
+
+    def resample_variants(self) -> list[tuple[bool, int]]:
+        K = self.max_logprobs
+        return [(True, 0)] + ([(False, K), (True, K)] if K else [])
+
+    def _resample_rows(self, plan: StepPlan) -> tuple[tuple[bool, int], np.ndarray] | None:
+        """The second sampler this step needs (filters? logprobs?) and its per-row inputs, or None (the usual case)."""
+        filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
+                       for r in plan.rows)
+        want_lp = any(r.seq.params.logprobs for r in plan.rows)
+        if not filtered and not want_lp:
+            return None
+        rows = np.zeros((self.static.max_rows, 7), np.int32)
+        rows[:, 2] = np.float32(1.0).view(np.int32)
+        for row in plan.rows:
+            p, r = row.seq.params, row.out_row
+            rows[r, 0] = np.float32(p.temperature).view(np.int32)
+            rows[r, 1], rows[r, 2] = p.top_k, np.float32(p.top_p).view(np.int32)
+            rows[r, 3:5] = seed_key_data(row.seq.seed).view(np.int32)
+            rows[r, 5], rows[r, 6] = row.sample_index, p.logprobs or 0
+        return (filtered, self.max_logprobs if want_lp else 0), rows
 
     def launch(self, plan: StepPlan, record=None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits."""
@@ -138,13 +166,25 @@ class Runner:
             record.t_packed = time.perf_counter()
         slot = self._dispatch(shape, packed, record)
         slot.plan = plan
+        second = self._resample_rows(plan)
+        if second is not None:
+            self._dispatch_resample(slot, *second)
+        slot.resampled = None if second is None else second[0]
         # An intended, explicit copy: allowed even where a transfer guard polices the loop for accidental ones.
         with jax.transfer_guard_device_to_host("allow"):
             slot.tokens.copy_to_host_async()
-            if any(r.seq.params.logprobs for r in plan.rows):
+            if slot.resampled and slot.resampled[1]:
                 slot.logprobs.copy_to_host_async()
                 slot.top_ids.copy_to_host_async()
         return slot
+
+    def _dispatch_resample(self, slot: DecodeSlot, variant: tuple[bool, int], rows: np.ndarray) -> None:
+        # A second (small) host->device copy, only for steps with top-k/top-p or logprobs rows.
+        feeds_next = self._prev_tokens is slot.tokens
+        slot.tokens, slot.logprobs, slot.top_ids = self._resample(
+            *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, jax.device_put(rows, self.device))
+        if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
+            self._prev_tokens = slot.tokens
 
     def _dispatch(self, shape: StepShape, packed: np.ndarray, record=None) -> DecodeSlot:
         """Run one step into the next slot: one explicit host->device copy, outputs and KV donated."""
@@ -153,8 +193,8 @@ class Runner:
         packed_dev = jax.device_put(packed, self.device)
         if record is not None:
             record.t_put = time.perf_counter()
-        slot.tokens, slot.logprobs, slot.top_ids, self.kv = self._step(
-            shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logprobs, slot.top_ids, packed_dev)
+        slot.tokens, slot.logits, self.kv = self._step(
+            shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed_dev)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
@@ -163,7 +203,7 @@ class Runner:
 
     def fetch(self, slot: DecodeSlot) -> StepResult:
         """Wait for the slot's host copy (explicit transfer) and free the slot."""
-        want_lp = any(r.seq.params.logprobs for r in slot.plan.rows)
+        want_lp = bool(slot.resampled and slot.resampled[1])
         tokens = jax.device_get(slot.tokens)
         lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
         slot.plan = None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
-from jphoton.sampling import sample
+from jphoton.sampling import sample, sample_plain, top_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,6 @@ class StepStatic:
     pages_per_block: int
     trash_page: int
     max_rows: int  # length of the output buffers
-    max_logprobs: int
     sliding_window: int | None
 
 
@@ -60,8 +59,7 @@ class StepLayout:
         for name, dims in (
             ("d_tokens", (Bd,)), ("d_carry", (Bd,)), ("d_pos", (Bd,)), ("d_table", (Bd, P)),
             ("p_tokens", (Bp, Tp)), ("p_start", (Bp,)), ("p_len", (Bp,)), ("p_table", (Bp, P)),
-            ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)), ("key", (R, 2)), ("sample_index", (R,)),
-            ("logprobs", (R,)),
+            ("temperature", (R,)), ("key", (R, 2)), ("sample_index", (R,)),
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
@@ -74,7 +72,6 @@ class StepLayout:
         views["d_table"][:] = trash_page
         views["p_table"][:] = trash_page
         views["d_carry"][:] = -1
-        views["top_p"].view(np.float32)[:] = 1.0
         views["_buffer"] = buf
         return views
 
@@ -82,8 +79,7 @@ class StepLayout:
         out = {}
         for name, (o, d) in self.fields.items():
             out[name] = jax.lax.slice_in_dim(packed, o, o + math.prod(d)).reshape(d)
-        for name in ("temperature", "top_p"):
-            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+        out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
         out["key"] = jax.lax.bitcast_convert_type(out["key"], jnp.uint32)
         return out
 
@@ -93,9 +89,10 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
-                prev_tokens, out_tokens, out_logprobs, out_top_ids, packed):
-    """Returns (out_tokens, out_logprobs, out_top_ids, kv). prev_tokens is the previous step's token output (read for
-    carry-over, never donated); the three output buffers and kv are donated and come back updated in place."""
+                prev_tokens, out_tokens, out_logits, packed):
+    """Returns (out_tokens, out_logits, kv). prev_tokens is the previous step's token output (read for carry-over,
+    never donated); the output buffers and kv are donated and come back updated in place. The logits of every row
+    stay on the device for a later sampler (filters, logprobs, grammar masks)."""
     f = StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
@@ -137,21 +134,20 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
                             Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])
     logits = logits_fn(params, hidden[last])
-    tokens_out = sample(logits, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+    tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"])
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
+    out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
+    return out_tokens, out_logits, kv
 
-    K = static.max_logprobs
-    if K:
-        def with_logprobs(ops):
-            lp_buf, ids_buf = ops
-            lp = jax.nn.log_softmax(logits, axis=-1)
-            top_lp, top_ids = jax.lax.top_k(lp, K)
-            chosen = jnp.take_along_axis(lp, tokens_out[:, None], axis=-1)
-            lp_buf = jax.lax.dynamic_update_slice(lp_buf, jnp.concatenate([chosen, top_lp], axis=1), (0, 0))
-            ids_buf = jax.lax.dynamic_update_slice(ids_buf, top_ids.astype(jnp.int32), (0, 0))
-            return lp_buf, ids_buf
 
-        # top_k over the vocabulary is only paid for when some row asked for logprobs.
-        out_logprobs, out_top_ids = jax.lax.cond(jnp.any(f["logprobs"] > 0), with_logprobs, lambda ops: ops,
-                                                 (out_logprobs, out_top_ids))
-    return out_tokens, out_logprobs, out_top_ids, kv
+def resample(filtered: bool, num_logprobs: int, logits, tokens, logprobs_buf, top_ids_buf, rows):
+    """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p or logprobs.
+    rows [max_rows, 7] int32: temperature bits, top_k, top_p bits, key (2 words), sample index, logprobs wanted."""
+    temperature = jax.lax.bitcast_convert_type(rows[:, 0], jnp.float32)
+    top_p = jax.lax.bitcast_convert_type(rows[:, 2], jnp.float32)
+    key = jax.lax.bitcast_convert_type(rows[:, 3:5], jnp.uint32)
+    if filtered:
+        tokens = sample(logits, temperature, rows[:, 1], top_p, key, rows[:, 5])
+    if num_logprobs:
+        logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
+    return tokens, logprobs_buf, top_ids_buf
