@@ -45,7 +45,7 @@ class LLM:
                  prefill_buckets: tuple[tuple[int, int], ...] | None = None,
                  context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
-                 cache_converted: bool | None = None, progress: bool = False, warmup: bool = True):
+                 cache_converted: bool | None = None, progress: bool = True, warmup: bool = True):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))

@@ -59,6 +59,20 @@ class SamplingParams:
         return cls(**d)
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+def _checked_init(self, *args, **kwargs):
+    unknown = set(kwargs) - _FIELDS
+    if unknown:  # a ValueError like every other bad field, not the dataclass's TypeError
+        raise ValueError(f"unknown sampling fields: {sorted(unknown)}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _checked_init
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

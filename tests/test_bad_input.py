@@ -122,6 +122,8 @@ def test_bad_sampling_params(kwargs, match):
 def test_unknown_sampling_field():
     with pytest.raises(ValueError, match="unknown sampling fields"):
         SamplingParams.from_dict({"temperature": 0.5, "temprature": 1})
+    with pytest.raises(ValueError, match="unknown sampling fields"):
+        SamplingParams(temperature=0.5, max_new_tokens=3)
 
 
 def test_bad_prompts_and_the_engine_keeps_serving(embedded_llm):

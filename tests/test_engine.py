@@ -225,3 +225,50 @@ def test_static_context_attention_and_unrolled_layers_match_hf(family):
     ref = tiny_reference(family)
     outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], _greedy(len(ref[0][1])))
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
+
+
+def test_telemetry_shows_launch_of_next_step_before_commit_of_this_one(embedded_llm, embedded_d2, hf):
+    for llm, overlapped in ((embedded_d2, True), (embedded_llm, False)):
+        llm.engine.telemetry.clear()
+        llm.generate([{"prompt_token_ids": p} for p, _ in hf[:2]], _greedy(8))
+        recs = sorted(llm.engine.telemetry.records, key=lambda r: r.step_id)
+        assert len(recs) >= 8
+        ahead = [b.t_launch < a.t_commit for a, b in zip(recs, recs[1:], strict=False)]
+        assert all(ahead) if overlapped else not any(ahead)
+        timeline = llm.engine.telemetry.timeline()
+        assert {"t_plan", "t_launch", "t_commit", "t_ready", "t_committed", "kind"} <= set(timeline[0])
+
+
+def test_a_researchers_own_model_plugs_in(hf):
+    """The README's example: a JaxModel with its own forward (here a Python loop over layers instead of a scan)."""
+    import jax.numpy as jnp
+
+    from jphoton.models import llama
+    from jphoton.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+    from jphoton.models.protocol import JaxModel
+    from jphoton.weights import load_model
+
+    base = load_model(FIXTURES / "tiny" / "qwen2", "float32")
+    cfg = base.config.replace(architecture="custom")
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+
+    def forward(params, tokens, positions, kv, attend):
+        x = params["embed"][tokens]
+        for i in range(cfg.num_layers):
+            lp = {k: v[i] for k, v in params["layers"].items()}
+            h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+            q = (h @ lp["wq"] + lp["bq"]).reshape(*h.shape[:-1], cfg.num_heads, cfg.head_dim)
+            k = (h @ lp["wk"] + lp["bk"]).reshape(*h.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+            v = (h @ lp["wv"] + lp["bv"]).reshape(*h.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+            o, kv = attend(apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, kv, i)
+            x = x + o.reshape(*x.shape[:-1], -1) @ lp["wo"]
+            x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+
+    model = JaxModel(cfg, base.params, forward, llama.lm_head, name="my-model")
+    llm = make_llm(model, warmup=False)
+    from conftest import tiny_reference
+
+    ref = tiny_reference("qwen2")
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], _greedy(len(ref[0][1])))
+    assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
