@@ -1,0 +1,186 @@
+"""Blocking (depth 1) vs pipelined (depth 2) decoding, with Photon's cost model checked against the measurement.
+
+N closed-loop streams (a finished request is replaced at once by a new one), per-request max_tokens drawn uniformly in
+[50, 150] (mean 100: random weights never stop on their own), prompt 64 tokens. For each model and stream count:
+
+  period     median launch-to-launch interval of decode-only steps (telemetry), blocking and pipelined
+  fwd+samp   the same decode step dispatched back to back with no host work (device time), and the plain sampler alone
+  host       median host time per step (plan + pack + dispatch + commit)
+  idle       period - fwd+samp: what the device waits per step
+  predicted  T_block / T_pipe x (1 - z) - 1 with z = 1 / (L * streams) (one wasted row-step per finished request),
+  observed   tokens/s pipelined over tokens/s blocking - 1 over the whole run
+
+    python benchmarks/pipeline.py --models random:smollm2-135m random:llama3.2-1b --streams 1 8 32 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from benchmarks.common import device_info, write_json  # noqa: E402
+from jphoton import LLM, SamplingParams  # noqa: E402
+from jphoton.sampling import sample_plain  # noqa: E402
+
+PROMPT = 64
+
+
+def closed_loop(llm, streams: int, requests_per_stream: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    total = streams * requests_per_stream
+    lengths = rng.integers(50, 151, size=total).tolist()
+    prompts = [rng.integers(0, llm.config.vocab_size, PROMPT).tolist() for _ in range(total)]
+    submitted, live, done = 0, [], []
+
+    def submit():
+        nonlocal submitted
+        params = SamplingParams(max_tokens=lengths[submitted], temperature=0, ignore_eos=True)
+        [s] = llm._make_sequences([prompts[submitted]], params)
+        llm._submit(s)
+        live.append(s)
+        submitted += 1
+
+    for _ in range(streams):
+        submit()
+    llm.engine.telemetry.clear()
+    t0 = time.perf_counter()
+    with jax.transfer_guard("disallow"):
+        while llm.engine.has_work():
+            llm._tick()
+            for s in [s for s in live if s.finalized]:
+                live.remove(s)
+                done.append(s)
+                llm._outputs.pop(s.request_id, None)
+                if submitted < total:
+                    submit()
+    wall = time.perf_counter() - t0
+    recs = sorted(llm.engine.telemetry.records, key=lambda r: r.step_id)
+    decode = [r for r in recs if r.kind == "decode"]
+    periods = [b.t_launch - a.t_launch for a, b in zip(recs, recs[1:], strict=False) if b.kind == "decode"
+               and a.kind == "decode"]
+    host = [(r.t_launched - r.t_plan) + (r.t_committed - r.t_ready) for r in decode]
+    tokens = sum(len(s.output_ids) for s in done)
+    return dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall, mean_len=tokens / len(done),
+                period_ms=1e3 * statistics.median(periods), host_ms=1e3 * statistics.median(host),
+                steps=len(recs), timeline=llm.engine.telemetry.timeline())
+
+
+def device_step_ms(llm, rows: int, reps: int = 30) -> float:
+    """The decode step of `rows` rows dispatched back to back (no host work between): forward + fused sampling."""
+    runner = llm.engine.runner
+    shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
+                 if s.decode_rows == rows and s.prefill_rows == 0)
+    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    for n in (3, reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            slot = runner.slots[runner._next_slot]
+            slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
+                                                               slot.tokens, slot.logits, packed)
+            runner._prev_tokens = slot.tokens
+            runner._next_slot ^= 1
+        jax.block_until_ready(runner.kv)
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def sampler_ms(rows: int, vocab: int, reps: int = 50) -> float:
+    f = jax.jit(sample_plain)
+    args = (jnp.zeros((rows, vocab), jnp.float32), jnp.ones(rows), jnp.zeros((rows, 2), jnp.uint32),
+            jnp.zeros(rows, jnp.int32))
+    f(*args).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(*args)
+    out.block_until_ready()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def plot_timelines(path: str, runs: dict[str, list[dict]], window: int = 12) -> None:
+    """Host activity (plan+launch, commit) and the device's busy span per step, blocking vs pipelined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.6 * len(runs)), squeeze=False)
+    for ax, (title, tl) in zip(axes[:, 0], runs.items(), strict=True):
+        steps = [r for r in tl if r["kind"] == "decode"][20:20 + window]
+        if not steps:
+            continue
+        t0 = steps[0]["t_plan"]
+        dev_end = 0.0
+        for r in steps:
+            ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+            ax.broken_barh([(ms(r["t_plan"]), ms(r["t_launched"]) - ms(r["t_plan"]))], (20, 8), color="tab:blue")
+            ax.broken_barh([(ms(r["t_ready"]), ms(r["t_committed"]) - ms(r["t_ready"]))], (20, 8), color="tab:orange")
+            start = max(ms(r["t_dispatched"]), dev_end)  # the device starts once dispatched and free
+            dev_end = ms(r["t_ready"])
+            ax.broken_barh([(start, dev_end - start)], (5, 8), color="tab:green", edgecolor="white", linewidth=0.6)
+        ax.set_yticks([9, 24], ["device (busy, upper bound)", "host"])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ms")
+    axes[0, 0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange", "tab:green")],
+                      labels=["plan + launch", "commit", "device step"], loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["random:smollm2-135m", "random:llama3.2-1b"])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    info = device_info()
+    print(info, flush=True)
+    rows, timelines = [], {}
+    for model in args.models:
+        results = {}
+        for depth in (1, 2):
+            llm = LLM(model, max_model_len=256, pipeline_depth=depth, max_num_seqs=max(args.streams),
+                      decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
+                      prefill_buckets=((8, PROMPT),), num_kv_pages=max(args.streams) * 16 + 8)
+            for n in args.streams:
+                closed_loop(llm, n, 1, seed=99)  # warm every path once
+                results[depth, n] = closed_loop(llm, n, args.requests_per_stream, seed=n)
+                if depth == 2:
+                    results["dev", n] = device_step_ms(llm, n)
+            vocab = llm.config.vocab_size
+            del llm
+        for n in args.streams:
+            b, p = results[1, n], results[2, n]
+            fwd = results["dev", n]
+            samp = sampler_ms(n, vocab)
+            L = (b["mean_len"] + p["mean_len"]) / 2
+            z = 1 / (L * n)
+            row = dict(model=model, streams=n, blocking_ms=b["period_ms"], pipelined_ms=p["period_ms"],
+                       fwd_plus_sampling_ms=fwd, sampling_ms=samp, host_ms=p["host_ms"],
+                       idle_blocking_ms=max(0.0, b["period_ms"] - fwd), idle_pipelined_ms=max(0.0, p["period_ms"] - fwd),
+                       period_over_device=p["period_ms"] / fwd, L=L,
+                       predicted=b["period_ms"] / p["period_ms"] * (1 - z) - 1, observed=p["tok_s"] / b["tok_s"] - 1,
+                       tok_s_blocking=b["tok_s"], tok_s_pipelined=p["tok_s"])
+            rows.append(row)
+            print(f"{model} {n:2d} streams: blocking {row['blocking_ms']:.3f} ms, pipelined {row['pipelined_ms']:.3f} ms,"
+                  f" fwd+samp {fwd:.3f} ms (sampler alone {samp:.3f}), host {row['host_ms']:.3f} ms, idle "
+                  f"{row['idle_blocking_ms']:.3f}/{row['idle_pipelined_ms']:.3f} ms, period/device "
+                  f"{row['period_over_device']:.3f}, L {L:.0f}, predicted {row['predicted']:+.1%}, observed "
+                  f"{row['observed']:+.1%} ({b['tok_s']:.0f} -> {p['tok_s']:.0f} tok/s)", flush=True)
+        mid = sorted(args.streams)[len(args.streams) // 2]
+        timelines[f"{model}, {mid} streams, blocking"] = results[1, mid]["timeline"]
+        timelines[f"{model}, {mid} streams, pipelined"] = results[2, mid]["timeline"]
+    plot_timelines(f"{args.out}/pipeline_timeline.png", {k: v for k, v in list(timelines.items())[-2:]})
+    write_json(f"{args.out}/pipeline.json", {"info": info, "rows": rows})
+    write_json(f"{args.out}/pipeline_timelines.json", timelines)
+
+
+if __name__ == "__main__":
+    main()
