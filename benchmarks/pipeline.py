@@ -117,8 +117,10 @@ def plot_timelines(path: str, runs: dict[str, list[dict]], window: int = 12) -> 
             continue
         t0 = steps[0]["t_plan"]
         dev_end = 0.0
+        def ms(t, t0=t0):
+            return 1e3 * (t - t0)
+
         for r in steps:
-            ms = lambda t: 1e3 * (t - t0)  # noqa: E731
             ax.broken_barh([(ms(r["t_plan"]), ms(r["t_launched"]) - ms(r["t_plan"]))], (20, 8), color="tab:blue")
             ax.broken_barh([(ms(r["t_ready"]), ms(r["t_committed"]) - ms(r["t_ready"]))], (20, 8), color="tab:orange")
             start = max(ms(r["t_dispatched"]), dev_end)  # the device starts once dispatched and free
