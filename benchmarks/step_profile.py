@@ -28,12 +28,16 @@ def main():
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--unroll", type=int, nargs="+", default=[1], help="1 = layers unrolled, 0 = lax.scan")
     args = ap.parse_args()
     maxb = max(args.batch)
-    for depth in args.depths:
-        llm = LLM(args.model, max_model_len=512, pipeline_depth=depth, context_buckets=(16, 32),
+    for depth, unroll in [(d, u) for u in args.unroll for d in args.depths]:
+        t0 = time.perf_counter()
+        llm = LLM(args.model, max_model_len=256, pipeline_depth=depth,
+                  unroll_layers=bool(unroll), progress=False,
                   num_kv_pages=maxb * 16 + 8, max_num_seqs=maxb, decode_buckets=tuple(args.batch),
-                  max_num_batched_tokens=1024, prefill_buckets=((8, 128),))
+                  max_num_batched_tokens=1024, prefill_buckets=((8, 128),), context_buckets=(16,))
+        print(f"unroll_layers={bool(unroll)} depth {depth}: start-up {time.perf_counter() - t0:.1f}s", flush=True)
         rng = np.random.default_rng(0)
         for b in args.batch:
             prompts = [rng.integers(0, llm.config.vocab_size, 128).tolist() for _ in range(b)]
