@@ -272,3 +272,16 @@ def test_a_researchers_own_model_plugs_in(hf):
     ref = tiny_reference("qwen2")
     outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], _greedy(len(ref[0][1])))
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_chunked_prefill_of_a_long_prompt_matches_the_reference(embedded_llm, embedded_d2, hf, depth):
+    """A 150-token prompt is prefilled in 64-token chunks that attend to the pages of the chunks before them."""
+    llm = embedded_llm if depth == 1 else embedded_d2
+    long_prompt = (hf[0][0] + hf[1][0] + hf[2][0] + hf[0][0] + hf[4][0])[:150]
+    prompts = [long_prompt, hf[3][0]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
+    seqs = llm._make_sequences(prompts, _greedy(12))
+    ReferenceDecoder(llm.config, llm.model.params).run(seqs)
+    assert [o.token_ids for o in outs] == [s.output_ids for s in seqs]
+    assert len(long_prompt) > 2 * max(t for _, t in llm.engine.scheduler.config.prefill_buckets)
