@@ -24,9 +24,14 @@ for section in "$@"; do
     throughput)  # issue 3: engine decode throughput, random Llama-3.2-1B shape, blocking and pipelined
       run throughput python3 benchmarks/throughput.py --model random:llama3.2-1b --batch 1 8 32 128 \
         --prompt-len 128 --new-tokens 128 --out "$OUT/throughput.json" ;;
-    pipeline)  # issue 4: blocking vs pipelined, cost model, timeline PNG
-      run pipeline python3 benchmarks/pipeline.py --models random:smollm2-135m random:llama3.2-1b --streams 1 8 32 \
-        --out "$OUT" ;;
+    # issue 4: blocking vs pipelined, cost model, timeline PNG; one section per model (a fresh machine compiles the
+    # unrolled SmolLM2 steps at ~40 s per shape, so both models in one section would overrun the 8 minutes)
+    pipeline-smollm2)
+      run pipeline-smollm2 python3 benchmarks/pipeline.py --models random:smollm2-135m --streams 1 8 32 \
+        --out "$OUT" --tag smollm2 ;;
+    pipeline-llama1b)
+      run pipeline-llama1b python3 benchmarks/pipeline.py --models random:llama3.2-1b --streams 1 8 32 \
+        --out "$OUT" --tag llama1b ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     *) echo "unknown section $section"; exit 2 ;;

@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-stream", type=int, default=3)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args()
     info = device_info()
     print(info, flush=True)
@@ -179,9 +180,10 @@ def main() -> None:
         mid = sorted(args.streams)[len(args.streams) // 2]
         timelines[f"{model}, {mid} streams, blocking"] = results[1, mid]["timeline"]
         timelines[f"{model}, {mid} streams, pipelined"] = results[2, mid]["timeline"]
-    plot_timelines(f"{args.out}/pipeline_timeline.png", {k: v for k, v in list(timelines.items())[-2:]})
-    write_json(f"{args.out}/pipeline.json", {"info": info, "rows": rows})
-    write_json(f"{args.out}/pipeline_timelines.json", timelines)
+    tag = f"_{args.tag}" if args.tag else ""
+    plot_timelines(f"{args.out}/pipeline_timeline{tag}.png", {k: v for k, v in list(timelines.items())[-2:]})
+    write_json(f"{args.out}/pipeline{tag}.json", {"info": info, "rows": rows})
+    write_json(f"{args.out}/pipeline_timelines{tag}.json", timelines)
 
 
 if __name__ == "__main__":
