@@ -131,36 +131,30 @@ class LLM:
         """Yield deltas (`.text`, `.token_ids`, `.finish_reason` on the last) as tokens are committed. Closing the
         iterator early aborts the request and returns its KV pages."""
         [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
-        self._submit(seq)
-        try:
-            while True:
-                queue = self._outputs[seq.request_id]
-                while not queue and not seq.finalized:
-                    self._tick()
-                while queue:
-                    yield queue.popleft().delta
-                if seq.finalized and not queue:
-                    return
-        finally:
-            self._close(seq)
+        return self._stream(seq)
 
     def stream_one(self, prompt: Prompt, params: SamplingParams | None = None,
                    on_delta: Callable[[Delta], None] | None = None) -> Completion:
         """Generate for one prompt, calling `on_delta` as each token is committed (what the CLI prints)."""
         [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        for delta in self._stream(seq):
+            if on_delta is not None:
+                on_delta(delta)
+        return seq.completion()
+
+    def _stream(self, seq: Sequence) -> Iterator[Delta]:
         self._submit(seq)
         try:
-            while not seq.finalized or self._outputs[seq.request_id]:
-                queue = self._outputs[seq.request_id]
-                while queue:
-                    delta = queue.popleft().delta
-                    if on_delta is not None:
-                        on_delta(delta)
-                if not seq.finalized:
+            queue = self._outputs[seq.request_id]
+            while True:
+                while not queue and not seq.finalized:
                     self._tick()
+                while queue:
+                    yield queue.popleft().delta
+                if seq.finalized:
+                    return
         finally:
             self._close(seq)
-        return seq.completion()
 
     def encode_chat(self, messages: Seq[Message]) -> list[int]:
         return self._require_tokenizer().encode_chat(list(messages))
