@@ -257,12 +257,17 @@ class LLM:
         return tuple(sorted(ids))
 
 
-def _pow2_buckets(n: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < n:
+def _geometric_buckets(start: int, factor: int, last: int) -> tuple[int, ...]:
+    """start, start*factor, ... below `last`, then `last` itself."""
+    out, b = [], start
+    while b < last:
         out.append(b)
-        b *= 2
-    return (*out, n)
+        b *= factor
+    return (*out, last)
+
+
+def _pow2_buckets(n: int) -> tuple[int, ...]:
+    return _geometric_buckets(1, 2, n)
 
 
 def _default_prefill_buckets(budget: int) -> tuple[tuple[int, int], ...]:
@@ -273,11 +278,7 @@ def _default_prefill_buckets(budget: int) -> tuple[tuple[int, int], ...]:
 
 def _default_context_buckets(pages_per_seq: int) -> tuple[int, ...]:
     """Powers of four from 512 tokens (32 pages of 16) up to the whole context: few compiles, at most 4x waste."""
-    out, b = [], 32
-    while b < pages_per_seq:
-        out.append(b)
-        b *= 4
-    return (*out, pages_per_seq)
+    return _geometric_buckets(32, 4, pages_per_seq)
 
 
 def _default_num_pages(cfg, max_model_len: int, page_size: int, max_num_seqs: int, fraction: float, params) -> int:
