@@ -1,0 +1,248 @@
+"""Build, start and stop the grpc.aio server: the Engine service, standard health checking, reflection, metrics.
+
+Life cycle: the port opens first with health NOT_SERVING (load balancers and `grpc_health_probe` see the process but
+send nothing), the model is loaded and warmed up (every step shape compiled) in a worker thread, then health turns
+SERVING. Shutdown is the reverse: health NOT_SERVING, new calls refused, in-flight streams drained for a grace period
+(then cancelled), the engine loop stopped.
+
+Two ways in: `await Server(...).start()` on your own event loop (what `jphoton serve` does), or `serve(...)`, which
+runs the server on a background thread and returns a handle (tests, benchmarks, notebooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from server.metrics import Metrics
+from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
+
+log = logging.getLogger("jphoton.server")
+
+DEFAULT_PORT = 50051
+DEFAULT_MAX_QUEUE = 512
+# A prompt of a whole 128k context is ~0.5 MiB as text or packed token ids; anything far bigger is a mistake.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
+
+
+class Server:
+    """One gRPC server around one LLM. Every method runs on the event loop that called start()."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue: int = DEFAULT_MAX_QUEUE,
+                 metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.host, self.requested_port = host, port
+        self.port: int | None = None
+        self.metrics = Metrics()
+        self.metrics_port_requested = metrics_port
+        self.metrics_port: int | None = None
+        self.admission = Admission(max_queue)
+        self.servicer = EngineServicer(self.admission, self.metrics)
+        self.max_message_bytes = max_message_bytes
+        self.health: health.aio.HealthServicer | None = None  # grpc.aio objects are made on the serving loop, in start()
+        self._grpc: grpc.aio.Server | None = None
+        self._stopped = False
+
+    @property
+    def llm(self):
+        return self.servicer.llm
+
+    async def start(self) -> int:
+        """Open the port (health NOT_SERVING until load()); returns the bound port (port 0 picks a free one)."""
+        self.health = health.aio.HealthServicer()
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
+        ])
+        self._grpc.add_generic_rpc_handlers((method_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self._grpc)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
+        self.port = self._grpc.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"cannot bind {address}")
+        await self._grpc.start()
+        self.metrics.watch(self.servicer.stats)
+        if self.metrics_port_requested is not None:
+            self.metrics_port = self.metrics.serve_http(self.metrics_port_requested, self.host)
+        log.info("gRPC listening on %s:%d (health NOT_SERVING until the model is warm)%s", self.host, self.port,
+                 f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
+        return self.port
+
+    async def load(self, model: Callable[[], object] | object) -> None:
+        """Serve `model`: an LLM, or a zero-argument callable that builds one (run in a worker thread, so health
+        checks are answered while it loads and compiles). Health turns SERVING when it is ready."""
+        t0 = time.perf_counter()
+        llm = await _in_daemon_thread(model) if callable(model) else model
+        if self._stopped:
+            return
+        self.servicer.attach(llm)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("SERVING %s (ready in %.1f s, %d compiles so far)", llm.model.name or llm.config.name,
+                 time.perf_counter() - t0, llm.stats()["num_compiles"])
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight streams finish for up to `grace` seconds,
+        cancel what is left, then stop the engine loop once the aborted requests' pages are back."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        await self._grpc.stop(grace)
+        engine = self.servicer.engine
+        if engine is not None:
+            # Cancelled streams queued aborts; let the engine loop run them so the LLM is left clean (it may be reused
+            # in this process, as the tests do).
+            deadline = time.monotonic() + 10
+            while self.llm.engine.sequences and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(engine.shutdown)
+        self.metrics.close()
+        log.info("server stopped")
+
+
+class ServerThread:
+    """A Server on its own event loop in a daemon thread; what serve() returns."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._load_task: asyncio.Future | None = None
+        self._thread = threading.Thread(target=self._run, name="jphoton-grpc", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.server.metrics_port
+
+    def start(self, model) -> ServerThread:
+        self._model = model
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded and health is SERVING; re-raises a load failure."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"server not SERVING after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop (e.g. to inspect it without racing its handlers)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.server.start())
+        except BaseException as e:
+            self._error = e
+            self._started.set()
+            self._ready.set()
+            return
+        self._started.set()
+        self._load_task = self._loop.create_task(self.server.load(self._model))
+        self._load_task.add_done_callback(self._loaded)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    def _loaded(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._error = task.exception()
+            log.error("model load failed: %r", self._error)
+        self._ready.set()
+
+
+def serve(model, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEFAULT_MAX_QUEUE,
+          metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+          wait: bool = True) -> ServerThread:
+    """Start a server for `model` (an LLM or a callable that builds one) on a background thread. Returns once the port
+    is open, and, with wait=True, once the model is SERVING. handle.port, handle.stop(grace)."""
+    handle = ServerThread(Server(host=host, port=port, max_queue=max_queue, metrics_port=metrics_port,
+                                 max_message_bytes=max_message_bytes)).start(model)
+    if wait:
+        handle.wait_ready()
+    return handle
+
+
+async def run_until_signal(model, *, grace: float = 30.0, **server_kwargs) -> None:
+    """`jphoton serve`: open the port, load the model, serve until SIGINT/SIGTERM, then drain for `grace` seconds."""
+    import signal
+
+    server = Server(**server_kwargs)
+    port = await server.start()
+    print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
+          + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),
+          flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.create_task(server.load(model))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            load.result()  # a load failure ends the process with its error
+            print("jphoton: SERVING", flush=True)
+            await stopping
+        print(f"jphoton: shutting down (draining for up to {grace:.0f} s)", flush=True)
+    finally:
+        stopping.cancel()
+        await server.stop(grace)
+        if not load.done():  # interrupted while loading: nothing to serve; the loader thread is a daemon
+            load.cancel()
+
+
+def _in_daemon_thread(fn: Callable[[], object]) -> asyncio.Future:
+    """Run fn in a daemon thread (not asyncio.to_thread: exiting would wait for a model that is still compiling)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, fn())
+        except BaseException as e:
+            outcome = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: the server stopped while the model was loading
+            pass
+
+    threading.Thread(target=work, name="jphoton-load", daemon=True).start()
+    return future
+

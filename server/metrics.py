@@ -1,0 +1,78 @@
+"""Prometheus metrics for the gRPC server: per-request latencies observed by the servicer, engine state read at scrape.
+
+Each server gets its own CollectorRegistry (not prometheus_client's global one), so several servers in one process
+(tests, benchmarks) do not collide on metric names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+# Decode steps take ~1 ms (GPU) to ~100 ms (CPU); time to first token includes queueing, so it reaches further out.
+_TOKEN_BUCKETS = (.001, .0025, .005, .0075, .01, .015, .02, .03, .05, .075, .1, .15, .25, .5, 1.0, 2.5)
+_TTFT_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .25, .5, .75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jphoton_time_to_first_token_seconds", "Request arrival to its first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("jphoton_inter_token_latency_seconds", "Gap between consecutive tokens of one request",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("jphoton_request_duration_seconds", "Request arrival to its last message",
+                             buckets=_TTFT_BUCKETS, registry=r)
+        self.requests = Counter("jphoton_requests", "Finished Generate calls by gRPC status code and finish reason",
+                                ["code", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("jphoton_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("jphoton_generation_tokens", "Tokens streamed to clients", registry=r)
+        self._server = None
+
+    def watch(self, stats: Callable[[], dict | None]) -> None:
+        """Export the engine's gauges, read from `stats()` at each scrape (None while the model is still loading)."""
+        self.registry.register(_EngineCollector(stats))
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics on host:port in a daemon thread; returns the bound port (port 0 picks a free one)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _EngineCollector:
+    """Gauges computed when Prometheus scrapes, so they are never stale and cost nothing between scrapes."""
+
+    def __init__(self, stats: Callable[[], dict | None]):
+        self._stats = stats
+
+    def describe(self):
+        return []  # unknown until the first collect: keeps registration from calling stats() early
+
+    def collect(self):
+        s = self._stats()
+        if s is None:
+            return
+        gauges = {
+            "jphoton_queue_requests": ("Requests admitted by the server and not finished (bounded by --max-queue)",
+                                       s["queued"]),
+            "jphoton_running_requests": ("Requests in the engine's running batch", s["running"]),
+            "jphoton_waiting_requests": ("Requests waiting in the engine for a batch slot or KV pages", s["waiting"]),
+            "jphoton_kv_pages_total": ("KV cache pages in the pool", s["kv_pages_total"]),
+            "jphoton_kv_pages_free": ("Free KV cache pages", s["kv_pages_free"]),
+            "jphoton_kv_usage_ratio": ("Fraction of KV cache pages in use",
+                                       1 - s["kv_pages_free"] / max(1, s["kv_pages_total"])),
+            "jphoton_num_compiles": ("XLA compilations in this process (stays flat after warm-up)", s["num_compiles"]),
+            "jphoton_preemptions": ("Requests preempted for KV pages since start", s.get("preemptions", 0)),
+            "jphoton_engine_steps": ("Engine steps launched since start", s.get("steps", 0)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))

@@ -1,0 +1,340 @@
+"""The jphoton.v1.Engine servicer: proto request -> prompt + SamplingParams, engine outputs -> streamed messages, and
+every failure -> the gRPC status a client can act on.
+
+Status codes (the contract, also in README.md):
+  INVALID_ARGUMENT    bad input of any kind (what LLM/SamplingParams reject with ValueError, no input, chat with token
+                      ids, two constraints, undecodable bytes); nothing is queued
+  ALREADY_EXISTS      request_id names a request that is still live
+  RESOURCE_EXHAUSTED  the server already holds --max-queue unfinished requests
+  UNAVAILABLE         the model is still loading, or the server is shutting down
+  ABORTED             the request failed mid-flight (e.g. its grammar matcher rejected a token): the tokens produced so
+                      far are sent first, then the last message with finish_reason "error", then this status
+  INTERNAL            the engine loop died: a server bug, never a user error
+All handlers run on the server's event loop, so the bookkeeping below needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+
+import grpc
+import jax
+from google.protobuf.message import DecodeError
+
+from jphoton.async_llm import AsyncLLM
+from jphoton.params import SamplingParams
+from server import jphoton_pb2 as pb
+from server.metrics import Metrics
+
+log = logging.getLogger("jphoton.server")
+
+SERVICE_NAME = "jphoton.v1.Engine"
+_SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # proto3 `optional`: unset = the default
+
+
+class Admission:
+    """Bounds the requests the server holds (admitted, not finished), so a burst is refused at once with
+    RESOURCE_EXHAUSTED instead of queueing without limit. `capacity` may be changed at run time."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"max_queue must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.count = 0
+
+    def try_acquire(self) -> bool:
+        if self.count >= self.capacity:
+            return False
+        self.count += 1
+        return True
+
+    def release(self) -> None:
+        self.count -= 1
+
+
+@dataclasses.dataclass
+class BadRequest:
+    """What a request deserializer returns for bytes it cannot accept; the handler answers INVALID_ARGUMENT."""
+
+    reason: str
+
+
+class EngineServicer:
+    def __init__(self, admission: Admission, metrics: Metrics | None = None):
+        self.admission = admission
+        self.metrics = metrics
+        self.llm = None
+        self.engine: AsyncLLM | None = None
+        self.draining = False
+        self._live: dict[str, int] = {}  # client request id -> engine request id, while the stream is open
+        self._auto_ids = itertools.count()
+
+    def attach(self, llm) -> None:
+        """Start serving `llm` (already warmed up): its engine loop runs in AsyncLLM's thread."""
+        self.llm = llm
+        self.engine = AsyncLLM(llm)
+
+    def stats(self) -> dict | None:
+        if self.llm is None:
+            return None
+        return {**self.llm.stats(), "queued": self.admission.count, "max_queue": self.admission.capacity}
+
+    # ---- RPCs ------------------------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        t_arrival = time.perf_counter()
+        if isinstance(request, BadRequest):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        engine = await self._ready(context)
+        try:
+            prompt = self._prompt(request)
+            params = sampling_params(request.sampling)
+        except ValueError as e:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or self._new_id()
+        if rid in self._live:
+            await self._fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already live")
+        if not self.admission.try_acquire():
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server queue is full ({self.admission.capacity} unfinished requests); retry later")
+        try:
+            try:
+                engine_id, outputs = engine.submit(prompt, params)
+            except ValueError as e:
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:  # the engine loop died
+                await self._fail(context, grpc.StatusCode.INTERNAL, str(e))
+            self._live[rid] = engine_id
+            try:
+                async for msg in self._stream(engine_id, outputs, rid, t_arrival, context):
+                    yield msg
+            finally:
+                del self._live[rid]
+        finally:
+            self.admission.release()
+
+    async def Abort(self, request, context):
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        engine_id = self._live.get(request.request_id)
+        if engine_id is not None and self.engine is not None:
+            self.engine.abort(engine_id)  # the stream then ends normally, with finish_reason "abort"
+        return pb.AbortResponse(found=engine_id is not None)
+
+    async def GetModelInfo(self, request, context):
+        await self._ready(context, draining_ok=True)
+        llm = self.llm
+        leaves = jax.tree_util.tree_leaves(llm.model.params)
+        return pb.ModelInfo(name=llm.model.name or llm.config.name, architecture=llm.config.architecture,
+                            vocab_size=llm.config.vocab_size, max_context=llm.max_model_len,
+                            dtype=leaves[0].dtype.name if leaves else "")
+
+    async def GetStats(self, request, context):
+        await self._ready(context, draining_ok=True)
+        s = self.stats()
+        return pb.Stats(kv_pages_total=s["kv_pages_total"], kv_pages_free=s["kv_pages_free"], running=s["running"],
+                        waiting=s["waiting"], num_compiles=s["num_compiles"], queued=s["queued"],
+                        max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0))
+
+    # ---- helpers ---------------------------------------------------------------------------------------------------
+    async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context):
+        """Turn the engine's Outputs into messages. Outputs that queued up while the client was slow are merged into
+        one message (fewer, larger writes under load). Leaving early (client cancel, deadline) aborts the request:
+        the engine frees its KV pages once no in-flight step references it."""
+        finished = False
+        first = True
+        last_token_at = None
+        try:
+            while not finished:
+                batch = [await outputs.get()]
+                while batch[-1] is not None and batch[-1].delta.finish_reason is None and not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                if batch[-1] is None:
+                    finished = True  # nothing left to abort: the engine loop is gone
+                    await self._fail(context, grpc.StatusCode.INTERNAL, "engine loop died; see the server log")
+                now = time.perf_counter()
+                msg = pb.GenerateResponse()
+                if first:
+                    msg.request_id = rid
+                for out in batch:
+                    d = out.delta
+                    if d.token_ids:
+                        msg.token_ids.extend(d.token_ids)
+                        if self.metrics is not None:
+                            if last_token_at is None:
+                                self.metrics.ttft.observe(now - t_arrival)
+                            else:
+                                self.metrics.itl.observe((now - last_token_at) / len(d.token_ids))
+                        last_token_at = now
+                    msg.text += d.text
+                out = batch[-1]
+                reason = out.delta.finish_reason
+                if reason is not None:
+                    finished = True
+                    seq = out.seq
+                    msg.finish_reason = reason
+                    msg.usage.prompt_tokens = len(seq.prompt_ids)
+                    msg.usage.completion_tokens = len(seq.output_ids)
+                if self.metrics is not None:
+                    self.metrics.generation_tokens.inc(len(msg.token_ids))
+                    if first:
+                        self.metrics.prompt_tokens.inc(len(out.seq.prompt_ids))
+                    if finished:
+                        self.metrics.e2e.observe(now - t_arrival)
+                first = False
+                yield msg
+                if reason == "error":
+                    # Mid-flight failure of this request only (e.g. its grammar matcher rejected a token): the client
+                    # has every token produced so far, and learns why from the status.
+                    await self._fail(context, grpc.StatusCode.ABORTED, out.seq.error or "request failed")
+                if reason is not None:
+                    self._count("OK", reason)
+        finally:
+            if not finished:
+                self._count("CANCELLED", "")
+                self.engine.abort(engine_id)
+
+    async def _ready(self, context, draining_ok: bool = False) -> AsyncLLM:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+        if self.draining and not draining_ok:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        return self.engine
+
+    def _prompt(self, request) -> str | dict:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise ValueError("no input: set text or token_ids")
+        if kind == "token_ids":
+            if request.chat:
+                raise ValueError("chat=true applies the chat template to text; it cannot be used with token_ids")
+            return {"prompt_token_ids": list(request.token_ids.ids)}
+        if not request.text:
+            raise ValueError("empty prompt: text is empty")
+        if request.chat:
+            return {"prompt_token_ids": self.llm.encode_chat([{"role": "user", "content": request.text}])}
+        return request.text
+
+    def _new_id(self) -> str:
+        while True:
+            rid = f"jphoton-{next(self._auto_ids)}"
+            if rid not in self._live:
+                return rid
+
+    async def _fail(self, context, code: grpc.StatusCode, message: str) -> None:
+        """End the call with `code` (raises, as context.abort does), counting it in the metrics."""
+        self._count(code.name, "error" if code == grpc.StatusCode.ABORTED else "")
+        await context.abort(code, message)
+
+    def _count(self, code: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(code=code, finish_reason=reason).inc()
+
+
+def sampling_params(msg) -> SamplingParams:
+    """The proto's SamplingParams as jphoton's; unset fields keep jphoton's defaults. Raises ValueError if invalid."""
+    kw = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    if msg.stop:
+        kw["stop"] = tuple(msg.stop)
+    if msg.stop_token_ids:
+        kw["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.ignore_eos:
+        kw["ignore_eos"] = True
+    kind = msg.WhichOneof("constraint")
+    if kind == "choice":
+        kw["choice"] = tuple(msg.choice.options)
+    elif kind is not None:
+        kw[kind] = getattr(msg, kind)
+    return SamplingParams(**kw)
+
+
+# ---- request decoding ---------------------------------------------------------------------------------------------
+# A oneof keeps only the last field the parser sees, so a request that carries two constraints would silently run with
+# one of them. The Generate deserializer looks at the wire bytes to refuse that, and turns undecodable bytes into
+# INVALID_ARGUMENT rather than grpc's INTERNAL.
+_CONSTRAINT_NUMBERS = {f.number: f.name for f in pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields}
+_SAMPLING_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
+
+
+def lenient(message_cls):
+    """A request deserializer that returns BadRequest instead of raising on undecodable bytes."""
+    def decode(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return BadRequest(f"cannot decode {message_cls.DESCRIPTOR.name}: {e}")
+    return decode
+
+
+def decode_generate_request(data: bytes):
+    try:
+        request = pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return BadRequest(f"cannot decode GenerateRequest: {e}")
+    if request.HasField("sampling"):
+        seen = set()
+        for field, value in _wire_fields(data):
+            if field == _SAMPLING_NUMBER and isinstance(value, bytes):
+                seen |= {_CONSTRAINT_NUMBERS[f] for f, _ in _wire_fields(value) if f in _CONSTRAINT_NUMBERS}
+        if len(seen) > 1:
+            return BadRequest(f"at most one constraint per request, got {sorted(seen)}")
+    return request
+
+
+def _wire_fields(data: bytes):
+    """(field number, bytes for length-delimited fields else None) of each top-level field in protobuf wire format.
+    Only called on bytes the protobuf parser has accepted."""
+    i, n = 0, len(data)
+
+    def varint():
+        nonlocal i
+        shift = result = 0
+        while True:
+            b = data[i]
+            i += 1
+            result |= (b & 0x7F) << shift
+            if b < 0x80:
+                return result
+            shift += 7
+
+    while i < n:
+        tag = varint()
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            varint()
+            yield field, None
+        elif wire == 1:
+            i += 8
+            yield field, None
+        elif wire == 2:
+            size = varint()
+            yield field, data[i:i + size]
+            i += size
+        elif wire == 5:
+            i += 4
+            yield field, None
+        else:  # groups (wire types 3/4): not used by this proto; stop scanning rather than guess
+            return
+
+
+def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:
+    """The Engine service's handlers, with the lenient deserializers above (instead of the generated
+    add_EngineServicer_to_server, whose deserializers raise and so answer INTERNAL)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=decode_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=lenient(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=lenient(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats, request_deserializer=lenient(pb.GetStatsRequest),
+            response_serializer=pb.Stats.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
