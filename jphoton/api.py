@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pathlib
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.engine import Engine, Output
 from jphoton.engine.scheduler import SchedulerConfig
@@ -33,6 +35,7 @@ class LLM:
 
     model: a HF directory, a .gguf file, a jphoton store (from `jphoton convert`), `random:NAME[:layers=N]`, None for
     the embedded SmolLM2-135M-Instruct, or a `JaxModel` (your own forward function + params, see models/protocol.py).
+    tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
@@ -45,7 +48,8 @@ class LLM:
                  prefill_buckets: tuple[tuple[int, int], ...] | None = None,
                  context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
-                 cache_converted: bool | None = None, progress: bool = True, warmup: bool = True):
+                 cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
+                 tokenizer: str | os.PathLike | None = None):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
@@ -65,6 +69,8 @@ class LLM:
                                       unroll_layers=unroll_layers)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
+        if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer
+            self.tokenizer = _load_tokenizer(tokenizer, self.config.vocab_size)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_model_len!r}")
@@ -91,8 +97,10 @@ class LLM:
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(self.config, self.max_model_len, page_size, max_num_seqs,
                                               kv_memory_fraction, self.model.params)
+        self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
-                             max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs)
+                             max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs,
+                             grammar=self.grammar)
         log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: plain-JAX paged (%s%s), "
                  "layers %s", num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attention,
                  f", context buckets {context_buckets} pages" if context_buckets else "",
@@ -244,9 +252,12 @@ class LLM:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
             seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))
-            seqs.append(Sequence(self._next_id, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
-                                 max_model_len=self.max_model_len, seed=seed))
+            seq = Sequence(self._next_id, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
+                           max_model_len=self.max_model_len, seed=seed)
+            seq.constraint = constraint
+            seqs.append(seq)
             self._next_id += 1
         return seqs
 
@@ -254,7 +265,20 @@ class LLM:
         ids = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        # A resized random model may keep its preset's EOS ids past the vocabulary: they can never be sampled.
+        return tuple(sorted(i for i in ids if 0 <= i < self.config.vocab_size))
+
+
+def _load_tokenizer(path, vocab_size: int):
+    from jphoton.tokenizer import Tokenizer
+
+    p = pathlib.Path(path)
+    tok = Tokenizer.from_hf_dir(p if p.is_dir() else p.parent) if p.exists() else None
+    if tok is None:
+        raise ValueError(f"tokenizer={str(path)!r}: no tokenizer.json there")
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}")
+    return tok
 
 
 def _geometric_buckets(start: int, factor: int, last: int) -> tuple[int, ...]:

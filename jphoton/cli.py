@@ -1,4 +1,4 @@
-"""`jphoton` command line: generate, convert. Text goes to stdout as it is produced; logs and progress to stderr."""
+"""`jphoton` command line: generate, convert, serve. Text goes to stdout as it is produced; logs and progress to stderr."""
 
 from __future__ import annotations
 
@@ -62,6 +62,29 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    import asyncio
+
+    from server.app import run_until_signal
+
+    def build():
+        from jphoton.api import LLM
+
+        kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
+                  if v is not None}
+        # Warm-up compiles every step shape before health turns SERVING: serving itself never compiles.
+        return LLM(args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth, progress=True, **kwargs)
+
+    try:
+        asyncio.run(run_until_signal(build, host=args.host, port=args.port, max_queue=args.max_queue,
+                                     metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
+                                     grace=args.grace))
+    except OSError as e:  # the port is taken or the address is not ours
+        print(f"jphoton: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("dest")
     _add_model_args(c)
     c.set_defaults(func=_cmd_convert)
+
+    s = sub.add_parser("serve", help="serve the model over gRPC (jphoton.v1.Engine, health, reflection; server/)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
+    s.add_argument("--max-queue", type=int, default=512,
+                   help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="engine batch size (default 64)")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default min(model, 8192))")
+    s.add_argument("--max-message-mb", type=int, default=16, help="gRPC message size limit, MiB")
+    s.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
+    s.set_defaults(func=_cmd_serve)
 
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "choice")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +22,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top logprobs per generated token (and the chosen token's)
+    # Constrained decoding: at most one of these (see jphoton/constraints.py). The output then matches the constraint;
+    # generation stops when the grammar is complete (EOS is allowed only where the grammar may end).
+    json_schema: str | dict | None = None  # a JSON schema (dict or JSON text)
+    regex: str | None = None  # the whole output matches this regex
+    grammar: str | None = None  # a Lark or GBNF grammar
+    choice: tuple[str, ...] | None = None  # the output is one of these strings
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -27,6 +35,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.json_schema, dict):  # kept as text so params stay hashable
+            try:
+                object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
+        if isinstance(self.choice, (list, tuple)):
+            object.__setattr__(self, "choice", tuple(self.choice))
         self.validate()
 
     def validate(self) -> None:
@@ -46,6 +61,39 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        """Shape checks only; whether the grammar compiles is checked at submission, against the tokenizer."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one constraint per request, got {given}")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str):
+                raise ValueError(f"json_schema must be a dict or JSON text, got {type(self.json_schema).__name__}")
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
+        """(kind, spec) of the request's constraint, or None for free generation."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -50,6 +50,7 @@ class Sequence:
         self.pending_samples = 0  # sampled tokens still on the device (launched, not yet committed)
         self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
+        self.constraint = None  # jphoton.constraints.Constraint: the grammar matcher, advanced at each commit
 
     @property
     def finished(self) -> bool:
@@ -72,8 +73,9 @@ class Sequence:
         index -= n
         return self.output_ids[index] if index < len(self.output_ids) else None
 
-    def append(self, token: int) -> Delta:
-        """Commit one sampled token; returns the delta to stream (possibly empty text)."""
+    def append(self, token: int, grammar_done: bool = False) -> Delta:
+        """Commit one sampled token; returns the delta to stream (possibly empty text). grammar_done: the request's
+        constraint is complete with this token (a stop, like EOS)."""
         assert not self.finished, "append after finish"
         token = int(token)
         self.output_ids.append(token)
@@ -81,7 +83,7 @@ class Sequence:
             self.text += self._detok.push(token)
             self._check_stop_strings()
         if not self.finished:
-            if token in self._stop_ids:
+            if token in self._stop_ids or grammar_done:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"

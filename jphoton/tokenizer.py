@@ -129,6 +129,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def hf_json(self) -> str:
+        """The tokenizer as HF `tokenizer.json` text (what llguidance and other tools take)."""
+        return self._tok.to_str()
+
     def special_token_ids(self) -> set[int]:
         return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 

@@ -162,8 +162,8 @@ def test_zombie_rides_along_and_appends_nothing(embedded_d2, hf):
     refs_at_launch = []
     launch = llm.engine.runner.launch
 
-    def spy(plan, record=None):  # refs right after a launch, before the commit of the step before it
-        slot = launch(plan, record)
+    def spy(plan, record=None, **kwargs):  # refs right after a launch, before the commit of the step before it
+        slot = launch(plan, record, **kwargs)
         refs_at_launch.append(seq.inflight_refs)
         return slot
 

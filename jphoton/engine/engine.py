@@ -1,9 +1,14 @@
-"""The engine tick: launch t+1 -> commit t (-> finalize t+1's sampling, for constrained rows later).
+"""The engine tick: launch t+1 -> commit t -> finalize t+1's sampling.
 
 With pipeline_depth=2 the step for t+1 is planned from what the host knows before t is committed, and dispatched
 before t's tokens reach the host; with pipeline_depth=1 the same code commits each step right after launching it (the
 blocking baseline). Sequences that finish while still inside a launched step are finalized at once (their result is
 emitted) and released only when the last step referencing them has been committed: zombies.
+
+Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does not.
+A step with any such row is launched without its sampler (forward only, logits kept on the device); after commit t the
+matchers advance, the masks are filled and uploaded, and t+1 is sampled ("finalized"). Steps whose rows are all free
+sample inside the forward and finalize is a no-op for them, so they run a step ahead as before.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import collections
 import dataclasses
 import logging
 
+from jphoton.constraints import GrammarCompiler
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import DecodeSlot, Runner, StepResult
 from jphoton.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -32,7 +38,7 @@ class Output:
 
 class Engine:
     def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
-                 pipeline_depth: int = 1, max_logprobs: int = 20):
+                 pipeline_depth: int = 1, max_logprobs: int = 20, grammar: GrammarCompiler | None = None):
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {pipeline_depth!r}")
         self.depth = pipeline_depth
@@ -44,6 +50,8 @@ class Engine:
         self.inflight: collections.deque[DecodeSlot] = collections.deque()
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
         self.num_steps = 0
+        self.num_constrained_steps = 0
+        self.grammar = grammar
         self.telemetry = Telemetry()
         self._records: dict[int, StepRecord] = {}
 
@@ -79,13 +87,20 @@ class Engine:
         if plan is not None:
             kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
             rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan, t_launch=now())
-            self.inflight.append(self.runner.launch(plan, rec))
+            rec.constrained_rows = sum(1 for r in plan.rows if r.samples and r.seq.constraint is not None)
+            if rec.constrained_rows and self.num_constrained_steps == 0:
+                log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
+                         "sample later)")
+            self.num_constrained_steps += rec.constrained_rows > 0
+            self.inflight.append(self.runner.launch(plan, rec, defer_sampling=rec.constrained_rows > 0))
             rec.t_launched = now()
             self._records[plan.step_id] = rec
             self.num_steps += 1
         keep = self.depth - 1 if plan is not None else 0
         while len(self.inflight) > keep:
             slot = self.inflight.popleft()
+            if slot.awaiting_mask:  # depth 1: sample right away (every earlier token is committed)
+                self._finalize(slot)
             step_plan = slot.plan
             rec = self._records.pop(step_plan.step_id)
             rec.t_commit = now()
@@ -94,17 +109,49 @@ class Engine:
             outputs += self._commit(step_plan, result)
             rec.t_committed = now()
             self.telemetry.add(rec)
+        for slot in self.inflight:
+            if slot.awaiting_mask:
+                self._finalize(slot)
         return outputs
+
+    def _finalize(self, slot: DecodeSlot) -> None:
+        """Sample a step that has grammar rows: every token before it is committed now, so each matcher's state is
+        the one its row's mask needs."""
+        rec = self._records[slot.plan.step_id]
+        rec.t_finalize = self.telemetry.now()
+        mask = self.runner.mask_buffer()
+        rows = []
+        for row in slot.plan.rows:
+            seq = row.seq
+            if row.samples and seq.constraint is not None and not seq.finalized:  # zombies keep the all-ones row
+                assert seq.pending_samples == 1, "a grammar row's mask is built from a stale matcher state"
+                rows.append((seq.constraint, row.out_row))
+        self.grammar.fill_masks(rows, mask)
+        rec.t_masked = self.telemetry.now()
+        self.runner.finalize(slot, mask)
+        rec.t_finalized = self.telemetry.now()
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[Output]:
         outputs = []
+        sampled = [row for row in plan.rows if row.samples and not row.seq.finalized]
+        guided = [row for row in sampled if row.seq.constraint is not None]
+        verdicts = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in guided]) if guided else []
+        rejected = {id(r) for r, ok in zip(guided, verdicts, strict=True) if not ok}
         for row in plan.rows:
             seq = row.seq
             seq.inflight_refs -= 1
             if row.samples:
                 seq.pending_samples -= 1
             if row.samples and not seq.finalized:
-                delta = seq.append(int(result.tokens[row.out_row]))
+                token = int(result.tokens[row.out_row])
+                if id(row) in rejected:  # cannot happen with a correct mask; end this request only
+                    log.error("request %d: grammar rejected token %d: %s", seq.request_id, token,
+                              seq.constraint.error())
+                    outputs.append(Output(seq, seq.finish("error", f"the grammar rejected token {token}: "
+                                                                   f"{seq.constraint.error()}")))
+                    self._maybe_release(seq)
+                    continue
+                delta = seq.append(token, grammar_done=seq.constraint is not None and seq.constraint.done)
                 lp = None
                 if seq.params.logprobs and result.logprobs is not None:
                     k = seq.params.logprobs
@@ -129,5 +176,6 @@ class Engine:
             "waiting": self.scheduler.num_waiting,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            "constrained_steps": self.num_constrained_steps,
             "inflight_steps": len(self.inflight),
         }

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jphoton.constraints import mask_words
 from jphoton.engine.scheduler import SchedulerConfig, StepPlan
-from jphoton.engine.step import StepLayout, StepShape, StepStatic, engine_step, resample
+from jphoton.engine.step import SAMPLER_ROW_FIELDS, StepLayout, StepShape, StepStatic, engine_step, resample
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
@@ -32,7 +33,8 @@ class DecodeSlot:
     logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
     top_ids: jax.Array  # [max_rows, max(K, 1)] int32
     plan: StepPlan | None = None  # the step occupying the slot, until its commit
-    resampled: tuple[bool, int] | None = None  # which second sampler ran, if any
+    resampled: tuple[bool, int, bool] | None = None  # which second sampler ran, if any
+    awaiting_mask: bool = False  # a grammar row's token is sampled only at finalize, after the previous commit
 
 
 @dataclasses.dataclass
@@ -81,7 +83,8 @@ class Runner:
         self._layouts: dict[StepShape, StepLayout] = {}
         self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
                              static_argnums=(0,), donate_argnums=(2, 4, 5))
-        self._resample = jax.jit(resample, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
+        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
+        self.mask_words = mask_words(cfg.vocab_size)
 
     def _zeros(self, shape, dtype) -> jax.Array:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -105,8 +108,8 @@ class Runner:
         for shape in it:
             inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
             self._dispatch(shape, inputs)
-        rows = np.zeros((self.static.max_rows, 7), np.int32)
         for variant in self.resample_variants():
+            rows = np.zeros((self.static.max_rows, SAMPLER_ROW_FIELDS + variant[2] * self.mask_words), np.int32)
             self._dispatch_resample(self.slots[0], variant, rows)
         jax.block_until_ready(self.kv)
         elapsed = time.perf_counter() - t0
@@ -138,18 +141,21 @@ class Runner:
             v["sample_index"][r] = row.sample_index
         return shape, v["_buffer"]
 
-    def resample_variants(self) -> list[tuple[bool, int]]:
-        K = self.max_logprobs
-        return [(True, 0)] + ([(False, K), (True, K)] if K else [])
+    def resample_variants(self) -> list[tuple[bool, int, bool]]:
+        """(filtered, logprobs, masked) second samplers, each compiled at warm-up."""
+        lps = (0, self.max_logprobs) if self.max_logprobs else (0,)
+        return [(f, k, m) for m in (False, True) for f in (False, True) for k in lps if f or k or m]
 
-    def _resample_rows(self, plan: StepPlan) -> tuple[tuple[bool, int], np.ndarray] | None:
-        """The second sampler this step needs (filters? logprobs?) and its per-row inputs, or None (the usual case)."""
+    def _resample_rows(self, plan: StepPlan, masked: bool = False) -> tuple[tuple[bool, int, bool], np.ndarray] | None:
+        """The second sampler this step needs (filters? logprobs? grammar masks?) and its per-row inputs (the mask
+        words left all ones), or None (the usual case)."""
         filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
                        for r in plan.rows)
         want_lp = any(r.seq.params.logprobs for r in plan.rows)
-        if not filtered and not want_lp:
+        if not filtered and not want_lp and not masked:
             return None
-        rows = np.zeros((self.static.max_rows, 7), np.int32)
+        rows = np.zeros((self.static.max_rows, SAMPLER_ROW_FIELDS + masked * self.mask_words), np.int32)
+        rows[:, SAMPLER_ROW_FIELDS:] = -1
         rows[:, 2] = np.float32(1.0).view(np.int32)
         for row in plan.rows:
             p, r = row.seq.params, row.out_row
@@ -157,29 +163,52 @@ class Runner:
             rows[r, 1], rows[r, 2] = p.top_k, np.float32(p.top_p).view(np.int32)
             rows[r, 3:5] = seed_key_data(row.seq.seed).view(np.int32)
             rows[r, 5], rows[r, 6] = row.sample_index, p.logprobs or 0
-        return (filtered, self.max_logprobs if want_lp else 0), rows
+        return (filtered, self.max_logprobs if want_lp else 0, masked), rows
 
-    def launch(self, plan: StepPlan, record=None) -> DecodeSlot:
-        """Dispatch the step into the next free slot and start copying its results to the host. Never waits."""
+    def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False) -> DecodeSlot:
+        """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
+        defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
+        forward (and the logits) run now all the same."""
         shape, packed = self.pack(plan)
         if record is not None:
             record.t_packed = time.perf_counter()
         slot = self._dispatch(shape, packed, record)
         slot.plan = plan
-        second = self._resample_rows(plan)
-        if second is not None:
-            self._dispatch_resample(slot, *second)
-        slot.resampled = None if second is None else second[0]
+        slot.awaiting_mask = defer_sampling
+        slot.resampled = None
+        if not defer_sampling:
+            second = self._resample_rows(plan)
+            if second is not None:
+                self._dispatch_resample(slot, *second)
+                slot.resampled = second[0]
+            self._copy_to_host(slot)
+        return slot
+
+    def finalize(self, slot: DecodeSlot, mask: np.ndarray) -> None:
+        """Sample a deferred step with its grammar masks ([max_rows, W] int32, all ones for free rows), then start its
+        host copy. Only the latest launched step can be finalized: the next launch reads its tokens."""
+        assert slot.awaiting_mask and self._prev_tokens is slot.tokens, "finalize out of order"
+        variant, rows = self._resample_rows(slot.plan, masked=True)
+        rows[:, SAMPLER_ROW_FIELDS:] = mask
+        self._dispatch_resample(slot, variant, rows)
+        slot.resampled, slot.awaiting_mask = variant, False
+        self._copy_to_host(slot)
+
+    def mask_buffer(self) -> np.ndarray:
+        """A host bitmask for one step, every token allowed (llguidance fills the grammar rows in place)."""
+        return np.full((self.static.max_rows, self.mask_words), -1, np.int32)
+
+    @staticmethod
+    def _copy_to_host(slot: DecodeSlot) -> None:
         # An intended, explicit copy: allowed even where a transfer guard polices the loop for accidental ones.
         with jax.transfer_guard_device_to_host("allow"):
             slot.tokens.copy_to_host_async()
             if slot.resampled and slot.resampled[1]:
                 slot.logprobs.copy_to_host_async()
                 slot.top_ids.copy_to_host_async()
-        return slot
 
-    def _dispatch_resample(self, slot: DecodeSlot, variant: tuple[bool, int], rows: np.ndarray) -> None:
-        # A second (small) host->device copy, only for steps with top-k/top-p or logprobs rows.
+    def _dispatch_resample(self, slot: DecodeSlot, variant: tuple[bool, int, bool], rows: np.ndarray) -> None:
+        # A second host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
         feeds_next = self._prev_tokens is slot.tokens
         slot.tokens, slot.logprobs, slot.top_ids = self._resample(
             *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, jax.device_put(rows, self.device))
@@ -203,6 +232,7 @@ class Runner:
 
     def fetch(self, slot: DecodeSlot) -> StepResult:
         """Wait for the slot's host copy (explicit transfer) and free the slot."""
+        assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
         want_lp = bool(slot.resampled and slot.resampled[1])
         tokens = jax.device_get(slot.tokens)
         lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)

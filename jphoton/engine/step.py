@@ -140,14 +140,31 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     return out_tokens, out_logits, kv
 
 
-def resample(filtered: bool, num_logprobs: int, logits, tokens, logprobs_buf, top_ids_buf, rows):
-    """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p or logprobs.
-    rows [max_rows, 7] int32: temperature bits, top_k, top_p bits, key (2 words), sample index, logprobs wanted."""
+SAMPLER_ROW_FIELDS = 7  # per-row words of the second sampler's input, before the grammar bitmask
+
+
+def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, logprobs_buf, top_ids_buf, rows):
+    """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p, logprobs or a
+    grammar. rows [max_rows, 7 (+ W)] int32: temperature bits, top_k, top_p bits, key (2 words), sample index,
+    logprobs wanted, then (masked) the token bitmask, W = ceil(V / 32) words, bit v % 32 of word v // 32 = token v
+    allowed (all ones for free rows). Every row is re-sampled from its own key, so a free row draws what the fused
+    sampler drew. Logprobs are those of the raw model distribution (before temperature and mask)."""
     temperature = jax.lax.bitcast_convert_type(rows[:, 0], jnp.float32)
     top_p = jax.lax.bitcast_convert_type(rows[:, 2], jnp.float32)
     key = jax.lax.bitcast_convert_type(rows[:, 3:5], jnp.uint32)
+    scores = logits
+    if masked:
+        scores = jnp.where(unpack_bitmask(rows[:, SAMPLER_ROW_FIELDS:], logits.shape[-1]), logits, -jnp.inf)
     if filtered:
-        tokens = sample(logits, temperature, rows[:, 1], top_p, key, rows[:, 5])
+        tokens = sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5])
+    elif masked:
+        tokens = sample_plain(scores, temperature, key, rows[:, 5])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
     return tokens, logprobs_buf, top_ids_buf
+
+
+def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, W] int32 bitmask -> [R, vocab_size] bool."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)

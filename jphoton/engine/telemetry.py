@@ -24,6 +24,10 @@ class StepRecord:
     t_commit: float = 0.0  # commit starts: waiting for this step's host copy
     t_ready: float = 0.0  # host copy landed (the device finished this step no later than this)
     t_committed: float = 0.0  # tokens appended, deltas built, stops checked
+    constrained_rows: int = 0  # rows sampled under a grammar mask (the step samples at finalize)
+    t_finalize: float = 0.0  # finalize starts (after the previous step's commit): masks are filled
+    t_masked: float = 0.0  # masks filled
+    t_finalized: float = 0.0  # masked sampler dispatched, host copy started
 
 
 class Telemetry:

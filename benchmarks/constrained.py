@@ -1,0 +1,164 @@
+"""Constrained (JSON schema) vs free decoding throughput, pipelined (depth 2), closed loop of N streams.
+
+The schema run goes first; the free run then replays the same prompts with max_tokens set to the lengths the schema
+run produced, so both decode the same number of tokens per request and the ratio isolates the cost of the grammar:
+mask building on the host, the deferred (masked) sampler, and any GPU idle they cause.
+
+  tok/s            generated tokens over the whole run, and its ratio schema / free (target >= 0.9 at 32 streams)
+  period           median launch-to-launch interval of decode-only steps
+  device           the decode step's forward + sampler dispatched back to back with no host work (free: fused
+                   sampler; schema: fused + the masked sampler)
+  idle             period - device: what the GPU waits per step
+  mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
+  host             median host time per step: plan + launch + commit + finalize
+
+    python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
+        --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out DIR
+The tokenizer directory is written from the embedded model on a machine that has it:
+    python benchmarks/constrained.py --export-tokenizer benchmarks/assets/smollm2-tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from benchmarks.common import device_info, write_json  # noqa: E402
+from benchmarks.pipeline import PROMPT, closed_loop  # noqa: E402
+from jphoton import LLM, SamplingParams  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma", "delta"]}, "maxItems": 6},
+        "active": {"type": "boolean"},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 16},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["id", "name", "tags", "active", "address"], "additionalProperties": False,
+}
+MAX_TOKENS = 160
+
+
+def device_ms(llm, rows: int, masked: bool, reps: int = 30) -> float:
+    """The decode step of `rows` rows (and, if masked, the grammar sampler) back to back, no host work between."""
+    runner = llm.engine.runner
+    shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
+                 if s.decode_rows == rows and s.prefill_rows == 0)
+    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    variant = (False, 0, True)
+    sampler_rows = jax.device_put(np.full((runner.static.max_rows, 7 + runner.mask_words), -1, np.int32), runner.device)
+    for n in (3, reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            slot = runner.slots[runner._next_slot]
+            slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
+                                                               slot.tokens, slot.logits, packed)
+            if masked:
+                slot.tokens, slot.logprobs, slot.top_ids = runner._resample(
+                    *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_rows)
+            runner._prev_tokens = slot.tokens
+            runner._next_slot ^= 1
+        jax.block_until_ready(runner.kv)
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def summarize(run: dict, timeline: list[dict]) -> dict:
+    decode = [r for r in timeline if r["kind"] == "decode"]
+    guided = [r for r in timeline if r["constrained_rows"]]
+    host = [(r["t_launched"] - r["t_plan"]) + (r["t_committed"] - r["t_ready"])
+            + (r["t_finalized"] - r["t_finalize"] if r["constrained_rows"] else 0.0) for r in decode]
+    return dict(tok_s=run["tok_s"], tokens=run["tokens"], period_ms=run["period_ms"],
+                host_ms=1e3 * statistics.median(host),
+                mask_ms=1e3 * statistics.median([r["t_masked"] - r["t_finalize"] for r in guided]) if guided else 0.0,
+                finalize_ms=1e3 * statistics.median([r["t_finalized"] - r["t_finalize"] for r in guided])
+                if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama3.2-1b:vocab=49152")
+    ap.add_argument("--tokenizer", default="benchmarks/assets/smollm2-tokenizer")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
+    args = ap.parse_args()
+    if args.export_tokenizer:
+        from jphoton.weights import load_model
+
+        load_model(None, None).tokenizer.save(pathlib.Path(args.export_tokenizer))
+        return
+    info = device_info()
+    print(info, flush=True)
+    n_max = max(args.streams)
+    llm = LLM(args.model, tokenizer=args.tokenizer, max_model_len=256, pipeline_depth=2, max_num_seqs=n_max,
+              decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
+              prefill_buckets=((8, PROMPT),), num_kv_pages=n_max * 16 + 8)
+    schema = json.dumps(SCHEMA)
+    rows, samples = [], []
+    for n in args.streams:
+        def guided(i):
+            return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, json_schema=schema)
+
+        closed_loop(llm, n, 1, seed=99, make_params=guided)  # warm both paths
+        g = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
+        g_tl = llm.engine.telemetry.timeline()
+        lengths = g["lengths"]
+        valid = sum(s.finish_reason == "stop" and _is_valid(s.text) for s in g["done"])
+        samples += [s.text for s in g["done"][:2]]
+
+        def free(i, lengths=lengths):
+            return SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
+
+        f = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=free)
+        f_tl = llm.engine.telemetry.timeline()
+        gs, fs = summarize(g, g_tl), summarize(f, f_tl)
+        dev_free, dev_guided = device_ms(llm, n, False), device_ms(llm, n, True)
+        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], device_free_ms=dev_free,
+                   device_schema_ms=dev_guided, idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
+                   idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
+                   valid=valid, requests=len(g["done"]))
+        rows.append(row)
+        print(f"{n:2d} streams: schema {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = {row['ratio']:.1%}; "
+              f"period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device {dev_guided:.3f} vs {dev_free:.3f} ms;"
+              f" idle {row['idle_schema_ms']:.3f} vs {row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, "
+              f"finalize {gs['finalize_ms']:.3f} ms, host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; "
+              f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}", flush=True)
+    print("sample outputs:", *samples[:3], sep="\n  ")
+    write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "rows": rows,
+                                                "samples": samples[:4]})
+
+
+def _is_valid(text: str) -> bool:
+    try:
+        import jsonschema
+    except ImportError:  # the GPU image may lack it: at least parse
+        jsonschema = None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    if jsonschema is not None:
+        try:
+            jsonschema.validate(value, SCHEMA)
+        except jsonschema.ValidationError:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
