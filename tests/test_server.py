@@ -1,0 +1,421 @@
+"""End-to-end tests of the gRPC server on loopback with the embedded model (one server for the module).
+
+Pages are checked server-side (GetStats), never inferred from the client's view of a cancelled call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import pathlib
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jphoton import SamplingParams
+from server import jphoton_pb2 as pb
+from server import jphoton_pb2_grpc as pb_grpc
+from server.app import Server, ServerThread, serve
+from server.service import SERVICE_NAME
+
+SERVER_DIR = pathlib.Path(__file__).parent.parent / "server"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+CHAT = "What is 2+2?"
+NEW = 8  # tokens per stream: small, CPU time is the budget
+GREEDY = pb.SamplingParams(max_tokens=NEW, temperature=0)
+
+
+@dataclasses.dataclass
+class Harness:
+    handle: ServerThread
+    channel: grpc.Channel
+    stub: pb_grpc.EngineStub
+    health: health_pb2_grpc.HealthStub
+    llm: object
+    refs: list  # LLM.generate's completions of PROMPTS, greedy, NEW tokens
+    chat_ref: object
+    status_while_loading: int
+    code_while_loading: grpc.StatusCode
+
+    def stats(self) -> pb.Stats:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 15.0) -> pb.Stats:
+        """Poll GetStats until every KV page is free and nothing runs or waits (the engine's zombie release)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s.kv_pages_free == s.kv_pages_total and s.running == 0 and s.waiting == 0 and s.queued == 0:
+                return s
+            assert time.monotonic() < deadline, f"pages/requests not released: {s}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def srv(embedded_llm):
+    llm = embedded_llm
+    # References first: once the server runs, its engine thread owns the LLM.
+    refs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0))
+    [chat_ref] = llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=NEW, temperature=0))
+    gate = threading.Event()
+
+    def load():  # the model "loads" until the test has looked at the server in that state
+        gate.wait(60)
+        return llm
+
+    handle = serve(load, port=0, max_queue=64, metrics_port=0, wait=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub, health = pb_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel)
+    loading = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text="hi", sampling=GREEDY), timeout=10))
+    gate.set()
+    handle.wait_ready(120)
+    yield Harness(handle, channel, stub, health, llm, refs, chat_ref, loading, e.value.code())
+    channel.close()
+    handle.stop(grace=5)
+
+
+@pytest.fixture(autouse=True)
+def _idle_after(request):
+    """Every test leaves the engine idle (before conftest's leak check looks at the LLM)."""
+    yield
+    if "srv" in request.fixturenames:
+        h = request.getfixturevalue("srv")
+        if h.handle.server.servicer.engine is not None and not h.handle.server._stopped:
+            h.wait_idle()
+
+
+def _code(call_fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call_fn()
+    return e.value.code()
+
+
+def _collect(responses) -> tuple[list[int], str, list]:
+    msgs = list(responses)
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
+
+
+# ---- stubs ----------------------------------------------------------------------------------------------------------
+def test_committed_stubs_match_the_proto_and_import_on_old_runtimes():
+    proto_sha = hashlib.sha256((SERVER_DIR / "jphoton.proto").read_bytes()).hexdigest()
+    for name in ("jphoton_pb2.py", "jphoton_pb2_grpc.py"):
+        text = (SERVER_DIR / name).read_text()
+        assert f"sha256={proto_sha}" in text.splitlines()[1], f"{name} is stale: run server/gen_stubs.sh"
+    # Generated code refuses runtimes older than its generator: keep it importable with grpcio 1.84 + protobuf 7.36.
+    grpc_gen = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (SERVER_DIR / "jphoton_pb2_grpc.py").read_text())
+    assert tuple(map(int, grpc_gen.group(1).split("."))) <= (1, 84, 0)
+    pb_gen = re.search(r"Protobuf Python Version: ([\d.]+)", (SERVER_DIR / "jphoton_pb2.py").read_text())
+    assert tuple(map(int, pb_gen.group(1).split("."))) <= (7, 36, 2)
+
+
+# ---- life cycle -----------------------------------------------------------------------------------------------------
+def test_health_is_not_serving_until_the_model_is_warm(srv):
+    assert srv.status_while_loading == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert srv.code_while_loading == grpc.StatusCode.UNAVAILABLE
+    for service in ("", SERVICE_NAME):
+        status = srv.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_model_info_and_stats(srv):
+    info = srv.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.architecture == "llama" and "SmolLM2" in info.name
+    assert info.vocab_size == srv.llm.config.vocab_size and info.max_context == srv.llm.max_model_len
+    assert info.dtype == "float32"
+    s = srv.stats()
+    assert s.kv_pages_total > 0 and s.max_queue == 64 and s.num_compiles > 0
+
+
+# ---- generation -----------------------------------------------------------------------------------------------------
+def test_streamed_tokens_equal_llm_generate(srv):
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.handle.port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+
+            async def one(request):
+                return [m async for m in stub.Generate(request, timeout=60)]
+
+            requests = [pb.GenerateRequest(text=p, sampling=GREEDY) for p in PROMPTS]
+            requests.append(pb.GenerateRequest(text=CHAT, chat=True, sampling=GREEDY))
+            requests.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=srv.refs[0].prompt_token_ids),
+                                               sampling=GREEDY))
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    results = asyncio.run(run())
+    expected = [*srv.refs, srv.chat_ref, srv.refs[0]]
+    for msgs, ref in zip(results, expected, strict=True):
+        assert [t for m in msgs for t in m.token_ids] == ref.token_ids
+        assert "".join(m.text for m in msgs) == ref.text
+        assert [m.finish_reason for m in msgs[:-1]] == [""] * (len(msgs) - 1), "finish_reason only on the last"
+        last = msgs[-1]
+        assert last.finish_reason == ref.finish_reason
+        assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert last.usage.completion_tokens == len(ref.token_ids)
+        assert msgs[0].request_id.startswith("jphoton-")  # server-assigned when the client gives none
+
+
+def test_64_concurrent_streams_complete_without_compiling(srv):
+    compiles_before = srv.stats().num_compiles
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.handle.port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+
+            async def one(i):
+                sampling = pb.SamplingParams(max_tokens=4, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+                msgs = [m async for m in stub.Generate(
+                    pb.GenerateRequest(request_id=f"c{i}", text=PROMPTS[i % len(PROMPTS)], sampling=sampling),
+                    timeout=300)]
+                return msgs
+
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for i, msgs in enumerate(results):
+        assert msgs[0].request_id == f"c{i}"
+        assert sum(len(m.token_ids) for m in msgs) == 4
+        assert msgs[-1].finish_reason == "length" and msgs[-1].usage.completion_tokens == 4
+    assert srv.wait_idle().num_compiles == compiles_before, "serving compiled after warm-up"
+
+
+# ---- cancellation and abort ----------------------------------------------------------------------------------------
+def _long(request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, text=PROMPTS[0],
+                              sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+
+
+def test_client_cancellation_frees_pages(srv):
+    call = srv.stub.Generate(_long(), timeout=120)
+    for _ in range(3):
+        next(call)
+    mid = srv.stats()
+    assert mid.running == 1 and mid.kv_pages_free < mid.kv_pages_total
+    call.cancel()
+    srv.wait_idle(timeout=10)  # server-side proof: the engine aborted the request and took its pages back
+
+
+def test_abort_by_request_id_ends_the_stream_normally(srv):
+    call = srv.stub.Generate(_long("abort-me"), timeout=120)
+    first = next(call)
+    assert first.request_id == "abort-me"
+    # A second live request with the same id is refused; the first is unaffected.
+    assert _code(lambda: list(srv.stub.Generate(_long("abort-me"), timeout=30))) == grpc.StatusCode.ALREADY_EXISTS
+    assert srv.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    rest = list(call)  # ends without an RpcError: status OK
+    assert rest[-1].finish_reason == "abort"
+    assert call.code() == grpc.StatusCode.OK
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) < 400
+    srv.wait_idle(timeout=10)
+    assert not srv.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+
+
+# ---- status codes ---------------------------------------------------------------------------------------------------
+def _raw_generate(srv, data: bytes):
+    """Send bytes as they are: requests that a well-behaved client library cannot build."""
+    method = srv.channel.unary_stream("/jphoton.v1.Engine/Generate", request_serializer=lambda b: b,
+                                      response_deserializer=pb.GenerateResponse.FromString)
+    return list(method(data, timeout=30))
+
+
+def test_bad_inputs_are_invalid_argument_and_the_server_keeps_serving(srv):
+    S = pb.SamplingParams
+    bad = {
+        "empty text": pb.GenerateRequest(text="", sampling=GREEDY),
+        "no input": pb.GenerateRequest(sampling=GREEDY),
+        "temperature < 0": pb.GenerateRequest(text="hi", sampling=S(temperature=-0.5)),
+        "temperature nan": pb.GenerateRequest(text="hi", sampling=S(temperature=float("nan"))),
+        "top_p = 0": pb.GenerateRequest(text="hi", sampling=S(top_p=0)),
+        "top_p > 1": pb.GenerateRequest(text="hi", sampling=S(top_p=1.5)),
+        "top_k < 0": pb.GenerateRequest(text="hi", sampling=S(top_k=-1)),
+        "max_tokens = 0": pb.GenerateRequest(text="hi", sampling=S(max_tokens=0)),
+        "max_tokens beyond the context": pb.GenerateRequest(text="hi", sampling=S(max_tokens=10**6)),
+        "seed too large": pb.GenerateRequest(text="hi", sampling=S(seed=2**64 - 1)),
+        "invalid json schema": pb.GenerateRequest(text="hi", sampling=S(json_schema="{not json")),
+        "invalid regex": pb.GenerateRequest(text="hi", sampling=S(regex="(unclosed")),
+        "invalid grammar": pb.GenerateRequest(text="hi", sampling=S(grammar="start: ((( ")),
+        "empty choice": pb.GenerateRequest(text="hi", sampling=S(choice=pb.Choice())),
+        "token id outside the vocabulary": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])),
+        "empty token ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])),
+        "chat with token ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), chat=True),
+        "stop token outside the vocabulary": pb.GenerateRequest(text="hi", sampling=S(stop_token_ids=[10**6])),
+    }
+    for name, request in bad.items():
+        with pytest.raises(grpc.RpcError) as e:
+            list(srv.stub.Generate(request, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e.value.code()} {e.value.details()}"
+        assert e.value.details(), name
+    # Two constraints: a oneof keeps only the last one parsed, so build the bytes by hand (one SamplingParams per
+    # constraint, concatenated: the wire format merges them).
+    two = (pb.GenerateRequest(text="hi", sampling=S(regex="a+")).SerializeToString()
+           + pb.GenerateRequest(sampling=S(choice=pb.Choice(options=["x", "y"]))).SerializeToString())
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(srv, two)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(srv, b"\x12\x02\xff\xfe")  # text = invalid UTF-8
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(srv, b"\x12\x10ab")  # truncated
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Still serving, and nothing was queued.
+    tokens, _, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=GREEDY), timeout=60))
+    assert tokens == srv.refs[0].token_ids
+    srv.wait_idle()
+
+
+def test_full_queue_is_resource_exhausted(srv):
+    admission = srv.handle.server.admission
+    admission.capacity = 2
+    calls = []
+    try:
+        calls = [srv.stub.Generate(_long(f"q{i}"), timeout=120) for i in range(2)]
+        for c in calls:
+            next(c)  # both admitted and streaming
+        assert srv.stats().queued == 2
+        code = _code(lambda: list(srv.stub.Generate(pb.GenerateRequest(text="hi", sampling=GREEDY), timeout=30)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert srv.stats().running == 2  # and the server still answers
+    finally:
+        for c in calls:
+            c.cancel()
+        admission.capacity = 64
+    srv.wait_idle()
+    tokens, _, _ = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=GREEDY), timeout=60))
+    assert tokens == srv.refs[1].token_ids
+
+
+# ---- reflection and metrics -----------------------------------------------------------------------------------------
+def test_a_client_built_only_from_reflection_can_generate_and_get_stats(srv):
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(f"127.0.0.1:{srv.handle.port}") as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        assert {"jphoton.v1.Engine", "grpc.health.v1.Health"} <= set(db.get_services())
+        pool = descriptor_pool.DescriptorPool(db)  # a fresh pool: nothing from server/'s stubs
+        service = pool.FindServiceByName("jphoton.v1.Engine")
+        gen, stats = service.methods_by_name["Generate"], service.methods_by_name["GetStats"]
+        Req, Resp = (message_factory.GetMessageClass(d) for d in (gen.input_type, gen.output_type))
+        SReq, SResp = (message_factory.GetMessageClass(d) for d in (stats.input_type, stats.output_type))
+        assert Req is not pb.GenerateRequest
+        request = Req(text=PROMPTS[2])
+        request.sampling.max_tokens, request.sampling.temperature = NEW, 0.0
+        call = ch.unary_stream("/jphoton.v1.Engine/Generate", request_serializer=Req.SerializeToString,
+                               response_deserializer=Resp.FromString)
+        msgs = list(call(request, timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == srv.refs[2].token_ids
+        get_stats = ch.unary_unary("/jphoton.v1.Engine/GetStats", request_serializer=SReq.SerializeToString,
+                                   response_deserializer=SResp.FromString)
+        s = get_stats(SReq(), timeout=10)
+        assert s.kv_pages_total > 0
+
+
+def test_prometheus_metrics(srv):
+    list(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[3], sampling=GREEDY), timeout=60))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{srv.handle.metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["jphoton_time_to_first_token_seconds_count"] >= 1
+    assert values["jphoton_inter_token_latency_seconds_count"] >= 1
+    assert values["jphoton_kv_pages_total"] > 0 and 0 <= values["jphoton_kv_usage_ratio"] <= 1
+    assert values["jphoton_num_compiles"] > 0
+    for gauge in ("jphoton_queue_requests", "jphoton_running_requests", "jphoton_waiting_requests"):
+        assert gauge in values
+    assert values['jphoton_requests_total{code="OK",finish_reason="length"}'] >= 1
+
+
+# ---- mid-flight failure (fake engine: a correct mask never lets the matcher fail) -----------------------------------
+class _FakeEngine:
+    """Stands in for AsyncLLM: one token, then the request fails as a rejecting grammar matcher makes it fail."""
+
+    def __init__(self):
+        from jphoton.engine.engine import Output
+        from jphoton.sequence import Delta
+
+        self._out, self._delta = Output, Delta
+        self.aborted = []
+
+    def submit(self, prompt, params):
+        seq = type("Seq", (), {"prompt_ids": [1, 2, 3], "output_ids": [7], "error": "the grammar rejected token 9"})()
+        q = asyncio.Queue()
+        q.put_nowait(self._out(seq, self._delta([7], "x")))
+        q.put_nowait(self._out(seq, self._delta([], "", "error")))
+        return 0, q
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def shutdown(self):
+        pass
+
+
+def test_a_mid_flight_failure_is_aborted_after_the_tokens_so_far():
+    server = Server(port=0)
+    fake = _FakeEngine()
+    server.servicer.attach = lambda llm: setattr(server.servicer, "engine", fake) or setattr(
+        server.servicer, "llm", llm)
+    llm = type("FakeLLM", (), {"model": type("M", (), {"name": "fake"})(), "stats": lambda self: {"num_compiles": 0},
+                               "engine": type("E", (), {"sequences": {}})()})()
+    handle = ServerThread(server).start(llm)
+    handle.wait_ready(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            call = pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=30)
+            got = []
+            with pytest.raises(grpc.RpcError) as e:
+                for m in call:
+                    got.append(m)
+            assert e.value.code() == grpc.StatusCode.ABORTED
+            assert "grammar rejected token 9" in e.value.details()
+            assert [t for m in got for t in m.token_ids] == [7] and got[-1].finish_reason == "error"
+            assert fake.aborted == []  # it finished; nothing to abort
+    finally:
+        handle.stop(grace=1)
+
+
+# ---- the CLI and shutdown -------------------------------------------------------------------------------------------
+def test_serve_cli_flags(capsys):
+    from jphoton.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--host", "--port", "--dtype", "--pipeline-depth", "--max-queue", "--metrics-port"):
+        assert flag in out
+    # A model that cannot load ends the command with an error (after the port was opened and closed again).
+    assert main(["serve", "--model", "random:no-such-model", "--port", "0"]) == 2
+
+
+def test_graceful_shutdown_drains_in_flight_streams(srv):
+    """Last in the module: it stops the shared server."""
+    n = 24
+    call = srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True)), timeout=120)
+    msgs = [next(call)]
+    stopper = threading.Thread(target=srv.handle.stop, kwargs={"grace": 60})
+    stopper.start()
+    deadline = time.monotonic() + 10
+    while not srv.handle.server.servicer.draining:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert srv.llm.stats()["running"] == 1  # shutdown began with the stream in flight
+    msgs += list(call)
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert sum(len(m.token_ids) for m in msgs) == n and msgs[-1].finish_reason == "length"
+    assert _code(lambda: srv.stub.GetStats(pb.GetStatsRequest(), timeout=5)) == grpc.StatusCode.UNAVAILABLE
+    stats = srv.llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
