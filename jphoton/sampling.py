@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def seed_key_data(seed: int) -> np.ndarray:
-    """A 64-bit seed as threefry key data (two uint32 words), built on the host."""
-    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=np.uint32)
+def seed_key_data(seed) -> np.ndarray:
+    """A 64-bit seed (or an array of them) as threefry key data (two uint32 words, [..., 2]), built on the host."""
+    seed = np.asarray(seed, np.uint64)
+    return np.stack([seed >> np.uint64(32), seed & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
 
 
 def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
