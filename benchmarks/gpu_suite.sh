@@ -32,6 +32,14 @@ for section in "$@"; do
     pipeline-llama1b)
       run pipeline-llama1b python3 benchmarks/pipeline.py --models random:llama3.2-1b --streams 1 8 32 \
         --out "$OUT" --tag llama1b ;;
+    serving)  # gRPC serving (server/): staggered arrivals at mean concurrency C vs the same requests as a static batch of C;
+      # the server is a child process with 8 step shapes (decode 32/64 x prefill 1/4 x 128 tokens), so warm-up stays short
+      run serving python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --prompt-len 128 \
+        --new-tokens 256 --requests-per-client 4 --out "$OUT/serving.json" ;;
+    constrained)  # issue 5: JSON-schema vs free decoding, random Llama-3.2-1B resized to SmolLM2's vocabulary and tokenizer
+      # (benchmarks/assets/smollm2-tokenizer, written by `benchmarks/constrained.py --export-tokenizer`; carried, not committed)
+      run constrained python3 benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
+        --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out "$OUT" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     *) echo "unknown section $section"; exit 2 ;;

@@ -195,10 +195,18 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEF
     return handle
 
 
-async def run_until_signal(model, *, grace: float = 30.0, **server_kwargs) -> None:
-    """`jphoton serve`: open the port, load the model, serve until SIGINT/SIGTERM, then drain for `grace` seconds."""
-    import signal
+async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float | None = 0.001,
+                           **server_kwargs) -> None:
+    """`jphoton serve`: open the port, load the model, serve until SIGINT/SIGTERM, then drain for `grace` seconds.
 
+    switch_interval: this process's GIL switch interval. The engine thread waits on the device with the GIL released;
+    when the step is done it must win the GIL back from the event loop thread, which under load is busy writing
+    messages. Python makes it wait up to the switch interval (5 ms by default, longer than a decode step on a GPU)."""
+    import signal
+    import sys
+
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     server = Server(**server_kwargs)
     port = await server.start()
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"

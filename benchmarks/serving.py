@@ -1,0 +1,308 @@
+"""Serving benchmark: an async gRPC load generator against `jphoton.v1.Engine`.
+
+For each concurrency C it runs the same kind of request (a P-token random prompt, N new tokens, greedy, ignore_eos):
+  static     C requests sent at once: the engine's best case, one full batch decoding in lockstep
+  staggered  C closed-loop clients, each sending R requests back to back, their starts spread over one request's
+             duration, so arrivals (and their prefills) are spread evenly while C requests are in flight
+  poisson    (--arrival poisson) R*C requests arriving as a Poisson process at rate C / (request duration), which holds
+             a mean of C in flight (Little's law)
+and reports TTFT, TPOT (time per output token after the first), ITL (gap between tokens) p50/p90/p99, aggregate decode
+tok/s in the steady-state window (tokens received in it / its length), the staggered/static ratio, and the XLA
+compiles the server did after warm-up (GetStats; should be 0).
+
+The server runs in a child process (this script with --serve), so the client's Python does not compete with the
+engine loop for the GIL; --connect HOST:PORT measures a server that is already running instead.
+
+    python benchmarks/serving.py --concurrency 4 --requests-per-client 2 --prompt-len 32 --new-tokens 16   # CPU
+    python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --out /tmp/serving.json    # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from server import jphoton_pb2 as pb  # noqa: E402
+from server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
+
+
+@dataclasses.dataclass
+class Trace:
+    """One request as the client saw it: send time, then (arrival time, tokens) per message."""
+
+    sent: float
+    messages: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.messages)
+
+    @property
+    def first(self) -> float:
+        return next(t for t, n in self.messages if n)
+
+    @property
+    def last(self) -> float:
+        return self.messages[-1][0]
+
+
+async def one_request(stub, prompt: list[int], new_tokens: int, sent_at: float | None = None) -> Trace:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    trace = Trace(sent=time.perf_counter() if sent_at is None else sent_at)
+    async for msg in stub.Generate(request, timeout=600):
+        trace.messages.append((time.perf_counter(), len(msg.token_ids)))
+        if msg.finish_reason:
+            trace.finish_reason = msg.finish_reason
+    if trace.finish_reason != "length" or trace.tokens != new_tokens:
+        raise RuntimeError(f"request ended with {trace.finish_reason!r} after {trace.tokens}/{new_tokens} tokens")
+    return trace
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"p50": pick(0.5) * 1e3, "p90": pick(0.9) * 1e3, "p99": pick(0.99) * 1e3, "mean": statistics.fmean(xs) * 1e3}
+
+
+def summarize(traces: list[Trace], window: tuple[float, float], mode: str, concurrency: int) -> dict:
+    """Latency percentiles over every request; throughput and mean concurrency over the steady-state window."""
+    lo, hi = window
+    in_window = sum(n for t in traces for ts, n in t.messages if lo < ts <= hi)
+    busy = sum(max(0.0, min(t.last, hi) - max(t.sent, lo)) for t in traces)
+    itl = []
+    for t in traces:
+        prev = t.first
+        for ts, n in t.messages:
+            if n and ts > prev:
+                itl += [(ts - prev) / n] * n
+                prev = ts
+    start, end = min(t.sent for t in traces), max(t.last for t in traces)
+    return {
+        "mode": mode, "concurrency": concurrency, "requests": len(traces),
+        "decode_tok_s": in_window / (hi - lo) if hi > lo else float("nan"),
+        "window_s": hi - lo, "mean_concurrency": busy / (hi - lo) if hi > lo else float("nan"),
+        "end_to_end_tok_s": sum(t.tokens for t in traces) / (end - start), "wall_s": end - start,
+        "ttft_ms": percentiles([t.first - t.sent for t in traces]),
+        "tpot_ms": percentiles([(t.last - t.first) / (t.tokens - 1) for t in traces if t.tokens > 1]),
+        "itl_ms": percentiles(itl),
+        "request_s_mean": statistics.fmean(t.last - t.sent for t in traces),
+    }
+
+
+async def run_static(stub, prompts, new_tokens: int, c: int) -> dict:
+    traces = await asyncio.gather(*(one_request(stub, prompts[i], new_tokens) for i in range(c)))
+    # Decode phase: every request has its first token, none has finished (the batch decodes in lockstep).
+    return summarize(traces, (max(t.first for t in traces), min(t.last for t in traces)), "static", c)
+
+
+async def run_staggered(stub, prompts, new_tokens: int, c: int, per_client: int, duration: float) -> dict:
+    async def client(w: int) -> list[Trace]:
+        await asyncio.sleep(w * duration / c)
+        return [await one_request(stub, prompts[(w * per_client + k) % len(prompts)], new_tokens)
+                for k in range(per_client)]
+
+    per = await asyncio.gather(*(client(w) for w in range(c)))
+    traces = [t for ts in per for t in ts]
+    # Steady state: from the last client's first request to the first client's finishing its last one.
+    window = (max(ts[0].sent for ts in per), min(ts[-1].last for ts in per))
+    return summarize(traces, window, "staggered", c)
+
+
+async def run_poisson(stub, prompts, new_tokens: int, c: int, n: int, duration: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in range(n):
+        arrivals.append(t)
+        t += rng.expovariate(c / duration)
+    t0 = time.perf_counter()
+
+    async def arrive(i: int) -> Trace:
+        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        return await one_request(stub, prompts[i % len(prompts)], new_tokens, sent_at=t0 + arrivals[i])
+
+    traces = await asyncio.gather(*(arrive(i) for i in range(n)))
+    sent = sorted(t.sent for t in traces)
+    return summarize(traces, (sent[min(c, n - 1)], sent[-1]), "poisson", c)
+
+
+async def bench(args, address: str) -> dict:
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
+        stub = pb_grpc.EngineStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 900
+        while True:  # a server that was just started may still be compiling
+            try:
+                status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server never became SERVING")
+            await asyncio.sleep(1)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        rng = random.Random(args.seed)
+        n_prompts = max(args.concurrency) * args.requests_per_client
+        prompts = [[rng.randrange(info.vocab_size) for _ in range(args.prompt_len)] for _ in range(n_prompts)]
+        compiles_warm = (await stub.GetStats(pb.GetStatsRequest())).num_compiles
+        await run_static(stub, prompts, 4, min(args.concurrency))  # first requests through every code path
+        rows = []
+        for c in args.concurrency:
+            static = await run_static(stub, prompts, args.new_tokens, c)
+            print(_line(static), flush=True)
+            if args.arrival == "poisson":
+                moving = await run_poisson(stub, prompts, args.new_tokens, c, c * args.requests_per_client,
+                                           static["request_s_mean"], args.seed)
+            else:
+                moving = await run_staggered(stub, prompts, args.new_tokens, c, args.requests_per_client,
+                                             static["request_s_mean"])
+            moving["ratio_vs_static"] = moving["decode_tok_s"] / static["decode_tok_s"]
+            print(_line(moving) + f", ratio vs static {moving['ratio_vs_static']:.3f}", flush=True)
+            rows += [static, moving]
+        stats = await stub.GetStats(pb.GetStatsRequest())
+        compiles = stats.num_compiles - compiles_warm
+        print(f"compiles after warm-up: {compiles}; preemptions: {stats.preemptions}", flush=True)
+        return {"model": {"name": info.name, "architecture": info.architecture, "dtype": info.dtype,
+                          "max_context": info.max_context},
+                "rows": rows, "compiles_after_warmup": compiles, "preemptions": stats.preemptions}
+
+
+def _line(r: dict) -> str:
+    return (f"C={r['concurrency']:3d} {r['mode']:9s}: {r['decode_tok_s']:9.1f} decode tok/s "
+            f"(window {r['window_s']:.2f} s, mean concurrency {r['mean_concurrency']:.1f}), "
+            f"TTFT p50/p90/p99 {_p(r['ttft_ms'])} ms, TPOT {_p(r['tpot_ms'])} ms, ITL {_p(r['itl_ms'])} ms")
+
+
+def _p(d: dict) -> str:
+    return "/".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
+
+
+# ---- the server child ------------------------------------------------------------------------------------------------
+def engine_kwargs(args) -> dict:
+    """Bucket sets sized for the runs: a decode bucket per concurrency, prefill of one or four prompts, one context
+    bucket. Few shapes keep a fresh GPU's warm-up compile short; a full batch plus one prompt chunk fits a step."""
+    page = 16
+    max_len = -(-(args.prompt_len + args.new_tokens) // page) * page
+    max_seqs = max(args.concurrency)
+    chunk = -(-args.prompt_len // page) * page
+    return dict(max_model_len=max_len, max_num_seqs=max_seqs, decode_buckets=tuple(sorted(set(args.concurrency))),
+                prefill_buckets=((1, chunk), (4, chunk)), max_num_batched_tokens=max_seqs + 4 * chunk,
+                num_kv_pages=(max_seqs + 8) * (max_len // page), pipeline_depth=args.pipeline_depth, page_size=page)
+
+
+def serve_child(spec: dict) -> None:
+    from benchmarks.common import device_info
+    from server.app import run_until_signal
+
+    print("device: " + json.dumps(device_info()), flush=True)  # the client must not touch the accelerator itself
+
+    def build():
+        from jphoton import LLM
+
+        return LLM(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])
+
+    asyncio.run(run_until_signal(build, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"]))
+
+
+def start_server(args) -> tuple[subprocess.Popen, str, dict]:
+    spec = {"model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
+            "switch_interval": args.switch_interval}
+    print(f"server: {spec}", flush=True)
+    child = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+    info = {}
+    for line in child.stdout:  # "device: {...}", then "jphoton: gRPC on HOST:PORT ..."
+        sys.stdout.write("server: " + line)
+        if line.startswith("device: "):
+            info = json.loads(line[len("device: "):])
+        if "gRPC on" in line:
+            address = line.split("gRPC on ", 1)[1].split()[0]
+            threading.Thread(target=_forward, args=(child.stdout,), daemon=True).start()  # never let its pipe fill
+            return child, address, info
+    raise RuntimeError(f"server exited with {child.wait()}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when this process dies, however it dies (a time-boxed run that is killed
+    must not leave a server holding the accelerator)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _forward(stream) -> None:
+    for line in stream:
+        sys.stdout.write("server: " + line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--connect", default=None, help="HOST:PORT of a running server (default: start one)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
+    ap.add_argument("--requests-per-client", type=int, default=4, help="R: staggered requests per client")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--arrival", choices=("staggered", "poisson"), default="staggered")
+    ap.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--switch-interval", type=float, default=0.001,
+                    help="the server process's GIL switch interval, s (what `jphoton serve` uses; Python's default 0.005)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: run as the server child
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve_child(json.loads(args.serve))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when `timeout` stops us
+    child, info = None, {}
+    t0 = time.perf_counter()
+    if args.connect:
+        address = args.connect
+    else:
+        child, address, info = start_server(args)
+    try:
+        result = asyncio.run(bench(args, address))
+    finally:
+        if child is not None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    result["args"] = vars(args)
+    result["engine"] = None if args.connect else engine_kwargs(args)
+    result["total_s"] = time.perf_counter() - t0
+    result["info"] = info
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"done in {result['total_s']:.0f} s" + (f"; wrote {args.out}" if args.out else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
