@@ -17,6 +17,7 @@ from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.engine import Engine, Output
 from jphoton.engine.scheduler import SchedulerConfig
+from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.params import Completion, SamplingParams
 from jphoton.sequence import Delta, Sequence
@@ -36,6 +37,8 @@ class LLM:
     model: a HF directory, a .gguf file, a jphoton store (from `jphoton convert`), `random:NAME[:layers=N]`, None for
     the embedded SmolLM2-135M-Instruct, or a `JaxModel` (your own forward function + params, see models/protocol.py).
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
+    moe_backend: how MoE layers run: "warp_decode" (Pallas kernels), "expert_centric" (grouped GEMM) or "auto" (warp
+    decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
@@ -49,7 +52,7 @@ class LLM:
                  context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
-                 tokenizer: str | os.PathLike | None = None):
+                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto"):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
@@ -61,12 +64,13 @@ class LLM:
             raise ValueError(f"attention must be 'auto', 'static' or 'dynamic', got {attention!r}")
         if unroll_layers is None:
             unroll_layers = accelerator
+        check_moe_backend(moe_backend)
         if isinstance(model, JaxModel):
             self.model = model
         else:
             loaded = load_model(model, dtype, cache=cache_converted, progress=progress)
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
-                                      unroll_layers=unroll_layers)
+                                      unroll_layers=unroll_layers, moe_backend=moe_backend)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
         if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer

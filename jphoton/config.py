@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "custom")  # custom: a user model (models/protocol.py)
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "custom")  # custom: a user model (models/protocol.py)
 
 # HF `architectures[0]` / `model_type` -> our architecture name.
 _HF_ARCHITECTURES = {
@@ -14,8 +14,9 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 means a dense model. A layer is MoE iff it is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (HF's rule); the other layers use a dense MLP of
+    # intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to one
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -65,6 +75,25 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
+                raise ValueError("model config: moe_intermediate_size and decoder_sparse_step must be positive")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (empty for a dense model)."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a dense MLP (all of them for a dense model)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_moe_layer(i))
 
     @property
     def q_size(self) -> int:
@@ -87,6 +116,7 @@ class ModelConfig:
             rs = d["rope_scaling"]
             d["rope_scaling"] = RopeScaling(**{**rs, "freq_factors": tuple(rs.get("freq_factors", ()))})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
         return cls(**d)
 
     @classmethod
@@ -131,14 +161,28 @@ class ModelConfig:
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
                 o_bias=arch in ("llama", "mistral") and bool(hf.get("attention_bias", False)),
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
                 sliding_window=int(sliding) if sliding else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,
+                **_parse_hf_moe(hf, arch),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required key {e.args[0]!r}") from None
+
+
+def _parse_hf_moe(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    if arch != "qwen3_moe":
+        return {}
+    return dict(
+        num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    )
 
 
 def _parse_hf_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:

@@ -12,6 +12,12 @@ Params layout (layers stacked on a leading axis so the layer loop is one `lax.sc
     final_norm   [D]
     lm_head      [D, V]          (absent when embeddings are tied)
 
+Mixture-of-experts variants (Qwen3-MoE, `cfg.num_experts > 0`) take the MLP weights out of `layers` and keep one stack
+per kind of layer, indexed by the layer's rank among its kind (forward in models/qwen3_moe.py):
+
+    moe:         router [Lm, D, E]   w_gate, w_up [Lm, E, Fm, D]   w_down [Lm, E, D, Fm]   (HF [out, in] per expert)
+    dense_mlp:   w_gate, w_up [Ld, D, F]   w_down [Ld, F, D]        (only when some layers are dense)
+
 Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
 writes this step's keys/values into layer `layer` of the cache and attends over it. `dense_attention` below is the
 reference; the engine's paged attention lives in jphoton/engine/attention.py.
@@ -48,6 +54,15 @@ def param_shapes(cfg: ModelConfig) -> Params:
     if cfg.qk_norm:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
     shapes: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if cfg.num_experts:
+        for name in ("w_gate", "w_up", "w_down"):
+            del layers[name]
+        Lm, Ld, E, Fm = len(cfg.moe_layers), len(cfg.dense_layers), cfg.num_experts, cfg.moe_intermediate_size
+        if Lm:
+            shapes["moe"] = {"router": (Lm, D, E), "w_gate": (Lm, E, Fm, D), "w_up": (Lm, E, Fm, D),
+                             "w_down": (Lm, E, D, Fm)}
+        if Ld:
+            shapes["dense_mlp"] = {"w_gate": (Ld, D, F), "w_up": (Ld, D, F), "w_down": (Ld, F, D)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
@@ -86,14 +101,27 @@ def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
+def layer_groups(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Which decoder layers each stacked group of `param_shapes` holds, in stack order."""
+    groups = {"layers": tuple(range(cfg.num_layers))}
+    if cfg.num_experts:
+        groups.update(moe=cfg.moe_layers, dense_mlp=cfg.dense_layers)
+    return groups
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
-            attend: Attend, unroll: bool = False) -> tuple[jax.Array, Any]:
+            attend: Attend, unroll: bool = False, moe_backend: str = "auto") -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
     Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer scan's carry
     (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
     into it and returns the attention output [..., Hq, hd]. `unroll` unrolls the layer loop: longer compiles, but no
-    loop control between layers (on GPU each loop iteration is a synchronisation point for XLA)."""
+    loop control between layers (on GPU each loop iteration is a synchronisation point for XLA). `moe_backend` only
+    matters for MoE configs (models/moe.py)."""
+    if cfg.num_experts:
+        from jphoton.models import qwen3_moe
+
+        return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jphoton.config import ModelConfig
-from jphoton.models import llama
+from jphoton.models import llama, moe
 
 
 @dataclasses.dataclass
@@ -33,8 +33,12 @@ class JaxModel:
     name: str = ""
 
 
-def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False) -> JaxModel:
+def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
+                 moe_backend: str = "auto") -> JaxModel:
+    """The built-in families (dense Llama-likes and Qwen3-MoE); `moe_backend` picks how MoE layers run (models/moe.py)."""
+    moe.check_backend(moe_backend)
+
     def forward(params, tokens, positions, kv, attend):
-        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers)
+        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend)
 
     return JaxModel(config, params, forward, llama.lm_head, tokenizer, name or config.name)

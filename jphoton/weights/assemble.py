@@ -7,16 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.llama import param_shapes
+from jphoton.models.llama import layer_groups, param_shapes
 
 
 def assemble_params(cfg: ModelConfig, top: dict[str, np.ndarray], per_layer: dict[str, dict[int, np.ndarray]],
                     dtype, source: str) -> dict:
-    """`top` holds embed / final_norm / lm_head; `per_layer[name][i]` holds layer i's tensor, already in our layout."""
+    """`top` holds embed / final_norm / lm_head; `per_layer[name][i]` holds layer i's tensor, already in our layout,
+    where name is `attn_norm`, `wq`, ... for the `layers` stack and `group.name` (e.g. `moe.w_gate`) for the other
+    stacked groups (MoE models), i being the decoder layer index either way."""
     shapes = param_shapes(cfg)
-    missing = [k for k in shapes if k != "layers" and k not in top]
-    missing += [f"layers.{k}" for k in shapes["layers"] if k not in per_layer]
-    extra = [k for k in top if k not in shapes] + [f"layers.{k}" for k in per_layer if k not in shapes["layers"]]
+    groups = layer_groups(cfg)
+    want = {name if g == "layers" else f"{g}.{name}": (g, name) for g in groups if g in shapes for name in shapes[g]}
+    missing = [k for k in shapes if k not in groups and k not in top]
+    missing += [f"layers.{k}" if "." not in k else k for k in want if k not in per_layer]
+    extra = [k for k in top if k not in shapes or k in groups]
+    extra += [f"layers.{k}" if "." not in k else k for k in per_layer if k not in want]
     if missing or extra:
         raise ValueError(f"{source}: checkpoint does not match the {cfg.architecture} config: "
                          f"missing {missing}, unexpected {extra}")
@@ -27,13 +32,13 @@ def assemble_params(cfg: ModelConfig, top: dict[str, np.ndarray], per_layer: dic
         # The cast happens on device: one host->device copy in the checkpoint's own precision.
         return jnp.asarray(arr).astype(dtype)
 
-    params = {k: put(k, top[k], shapes[k]) for k in shapes if k != "layers"}
-    layers = {}
-    for name, want in shapes["layers"].items():
-        got = per_layer[name]
-        absent = [i for i in range(cfg.num_layers) if i not in got]
-        if absent or len(got) != cfg.num_layers:
-            raise ValueError(f"{source}: layers.{name} missing for layers {absent or sorted(got)}")
-        layers[name] = put(f"layers.{name}", np.stack([got[i] for i in range(cfg.num_layers)]), want)
-    params["layers"] = layers
+    params = {k: put(k, top[k], shapes[k]) for k in shapes if k not in groups}
+    for key, (g, name) in want.items():
+        got, layers = per_layer[key], groups[g]
+        absent = [i for i in layers if i not in got]
+        if absent or len(got) != len(layers):
+            extra_layers = sorted(set(got) - set(layers))
+            raise ValueError(f"{source}: {g}.{name} missing for layers {absent}"
+                             f"{f', unexpected for layers {extra_layers}' if extra_layers else ''}")
+        params.setdefault(g, {})[name] = put(f"{g}.{name}", np.stack([got[i] for i in layers]), shapes[g][name])
     return params

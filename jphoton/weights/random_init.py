@@ -7,6 +7,7 @@ depend on weight values.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,14 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
         tie_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128009), name="random:llama3-8b"),
+    # Qwen/Qwen3-30B-A3B's config.json: every layer MoE (decoder_sparse_step 1, no mlp_only_layers), 128 experts of
+    # 768, top-8 renormalised; intermediate_size 6144 would only size dense layers, of which it has none.
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_embeddings=False, qk_norm=True, bos_token_id=151643,
+        eos_token_ids=(151643, 151645), num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, name="random:qwen3-30b-a3b"),
 }
 
 _OVERRIDES = {"layers": "num_layers", "vocab": "vocab_size", "context": "max_position_embeddings"}
@@ -64,8 +73,28 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     for (path, shape), key in zip(leaves, keys, strict=True):
         name = path[-1].key
         kind = "ones" if name.endswith("norm") else "zeros" if name.startswith("b") else "normal"
-        out.append(_make_leaf(key, tuple(shape), jnp.dtype(dtype), kind))
+        out.append(_random_leaf(key, tuple(shape), jnp.dtype(dtype), kind))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_SLICED_ABOVE = 2**30  # float32 bytes of one leaf's temporaries above which it is filled one leading index at a time
+
+
+def _random_leaf(key, shape, dtype, kind):
+    """Large leaves (stacked experts: 19 GB each for Qwen3-30B-A3B) are written slice by slice into one donated
+    buffer, so building them never holds a float32 copy of the whole leaf."""
+    if kind != "normal" or len(shape) < 2 or 4 * math.prod(shape) <= _SLICED_ABOVE:
+        return _make_leaf(key, shape, dtype, kind)
+    out = _make_leaf(key, shape, dtype, "zeros")
+    for i, k in enumerate(jax.random.split(key, shape[0])):
+        out = _set_slice(out, jnp.int32(i), k)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_slice(out, i, key):
+    part = (0.02 * jax.random.normal(key, out.shape[1:], jnp.float32)).astype(out.dtype)
+    return jax.lax.dynamic_update_index_in_dim(out, part, i, 0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

@@ -1,0 +1,105 @@
+"""Mixture-of-experts feed-forward: top-k softmax routing and the backends that run the routed experts.
+
+Backends (all take the same stacked expert weights, so switching costs nothing):
+  warp_decode     the output-centric Pallas kernels (pallas_kernels/moe_warp_decode.py): decode-sized steps.
+  expert_centric  plain JAX: sort (token, expert) pairs by expert, grouped GEMM with `jax.lax.ragged_dot_general`, bf16
+                  intermediates (in a bf16 model), weighted combine in fp32: prefill and large batches.
+  dense_gather    plain JAX: gather each token's k expert matrices (`w[ids]`) and einsum, fp32 accumulation; a
+                  benchmark baseline (it materialises T*K weight matrices), not an engine backend.
+"auto" picks warp_decode when the step has at most WARP_DECODE_MAX_TOKENS tokens (a static shape, so the choice is
+made once per compiled bucket), expert_centric above.
+
+Expert weights, per MoE layer stacked on a leading axis (HF's Linear [out, in] layout per expert, which makes every
+weight row an output needs contiguous): router [Lm, D, E], w_gate / w_up [Lm, E, F, D], w_down [Lm, E, D, F].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MOE_BACKENDS = ("auto", "warp_decode", "expert_centric")
+# Tokens per step up to which "auto" runs warp decode. A first guess (the warp kernels read every routed expert once;
+# the grouped GEMM catches up as tokens per expert grow); benchmarks/moe_decode.py measures the crossover on the GPU.
+WARP_DECODE_MAX_TOKENS = 64
+
+
+def check_backend(backend: str) -> str:
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"moe_backend must be one of {', '.join(repr(b) for b in MOE_BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: str, num_tokens: int) -> str:
+    """The backend a step of `num_tokens` tokens runs (static at trace time)."""
+    check_backend(backend)
+    if backend == "auto":
+        return "warp_decode" if num_tokens <= WARP_DECODE_MAX_TOKENS else "expert_centric"
+    return backend
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """x [N, D], router [D, E] -> (ids [N, k] int32, weights [N, k] float32). Softmax over all experts in fp32, top-k,
+    optionally renormalised (HF Qwen3-MoE; HF rounds the weights to the model dtype, we keep them in fp32)."""
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+def _layer(w: jax.Array, layer) -> jax.Array:
+    return w if layer is None else w[layer]
+
+
+def expert_centric(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+    """Sort pairs by expert, two grouped GEMMs (`ragged_dot_general`), weighted scatter-add combine. Returns x.dtype.
+    Intermediates (SiLU(gate)*up and each expert's output) are rounded to x.dtype, as a bf16 grouped-GEMM pipeline
+    does; the combine accumulates in fp32."""
+    w_gate, w_up, w_down = _layer(w_gate, layer), _layer(w_up, layer), _layer(w_down, layer)
+    N, K = ids.shape
+    E = w_gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat)
+    token = order // K
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[token]  # [N*K, D], grouped by expert
+    dn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                           rhs_group_dimensions=[0])
+    g = jax.lax.ragged_dot_general(xs, w_gate, group_sizes, dn, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot_general(xs, w_up, group_sizes, dn, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    y = jax.lax.ragged_dot_general(h, w_down, group_sizes, dn, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def dense_gather(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+    """Gather the k expert matrices of every token and einsum (fp32 accumulation, x.dtype intermediates)."""
+    w_gate, w_up, w_down = _layer(w_gate, layer), _layer(w_up, layer), _layer(w_down, layer)
+    g = jnp.einsum("nd,nkfd->nkf", x, w_gate[ids], preferred_element_type=jnp.float32)
+    u = jnp.einsum("nd,nkfd->nkf", x, w_up[ids], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    y = jnp.einsum("nkf,nkdf->nkd", h, w_down[ids], preferred_element_type=jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def warp_decode(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+    from pallas_kernels.moe_warp_decode import moe_warp_decode
+
+    return moe_warp_decode(x, ids, weights, w_gate, w_up, w_down, layer)
+
+
+_EXPERTS = {"warp_decode": warp_decode, "expert_centric": expert_centric, "dense_gather": dense_gather}
+
+
+def moe_ffn(x: jax.Array, mp: dict, layer, top_k: int, norm_topk_prob: bool, backend: str) -> jax.Array:
+    """The MoE feed-forward of one layer. x [..., D]; mp holds the stacked MoE weights (router, w_gate, w_up, w_down)
+    and `layer` indexes them (a Python int or a traced scalar: the kernels index the stack, never slice it)."""
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, x.shape[-1])
+    ids, weights = route(xf, mp["router"][layer], top_k, norm_topk_prob)
+    name = resolve_backend(backend, xf.shape[0]) if backend in MOE_BACKENDS else backend
+    y = _EXPERTS[name](xf, ids, weights, mp["w_gate"], mp["w_up"], mp["w_down"], layer)
+    return y.reshape(*lead, x.shape[-1])

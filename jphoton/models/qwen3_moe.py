@@ -1,0 +1,58 @@
+"""Qwen3-MoE decoder: Qwen3 attention (q/k RMSNorm, GQA, RoPE) with a mixture-of-experts MLP in the layers HF's rule
+selects (`cfg.is_moe_layer`), a dense SwiGLU MLP in the others. Same contract as the Llama family:
+`forward(params, cfg, tokens, positions, kv, attend) -> (hidden, kv)`, with paged attention through `attend`.
+
+Params: see models/llama.py (`param_shapes`): attention and norms stacked over all layers in `layers`, experts in `moe`,
+dense MLPs (if any) in `dense_mlp`. When every layer is MoE and `unroll` is off, the layer loop is one `lax.scan` whose
+body indexes the expert stacks with the traced layer number (the warp-decode kernels read the stack in place; nothing
+is sliced out); otherwise it is a Python loop (what `unroll` gives the dense families too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jphoton.config import ModelConfig
+from jphoton.models import moe
+from jphoton.models.layers import rms_norm, rope_inv_freq, swiglu
+from jphoton.models.llama import Attend, Params, _attention_projections
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend: Attend,
+            unroll: bool = False, moe_backend: str = "auto") -> tuple[jax.Array, Any]:
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = params["embed"][tokens]
+    k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def attention(x, kv, lp, index):
+        q, kk, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+        o, kv = attend(q, kk, v, kv, index)
+        o = o.reshape(*x.shape[:-1], cfg.q_size) @ lp["wo"]
+        if cfg.o_bias:
+            o = o + lp["bo"]
+        x = x + o
+        return x, kv, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+
+    moe_rank = {i: r for r, i in enumerate(cfg.moe_layers)}
+    dense_rank = {i: r for r, i in enumerate(cfg.dense_layers)}
+    if not dense_rank and not unroll:
+        def layer(carry, xs):
+            x, kv = carry
+            lp, index = xs
+            x, kv, h = attention(x, kv, lp, index)
+            return (x + moe.moe_ffn(h, params["moe"], index, k, norm, moe_backend), kv), None
+
+        (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
+    else:
+        for i in range(cfg.num_layers):
+            lp = jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"])
+            x, kv, h = attention(x, kv, lp, i)
+            if i in moe_rank:
+                x = x + moe.moe_ffn(h, params["moe"], moe_rank[i], k, norm, moe_backend)
+            else:
+                mp = jax.tree_util.tree_map(lambda a, r=dense_rank[i]: a[r], params["dense_mlp"])
+                x = x + swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"])
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv

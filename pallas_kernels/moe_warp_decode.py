@@ -1,0 +1,307 @@
+"""Warp decode: an output-centric MoE layer for decode-sized batches, as two Pallas kernels, plus a float32 reference.
+
+The expert-centric way to run a MoE layer (sort (token, expert) pairs by expert, grouped GEMM, weighted combine) moves
+activations through gather/scatter/combine buffers and pads or launches per expert; at decode sizes (a few to a few
+dozen tokens) almost all of its time is that overhead, not the weight reads that bound the layer. Here every program
+owns *output rows* and streams exactly the weight rows that produce them:
+
+  gate_up   program (f-block, slot): a slot is one routed expert e. It owns intermediate rows f0:f0+BF of e, streams
+            those gate and up weight rows (bf16, contiguous along the hidden dim) in BK-wide chunks together with the
+            activations of *every* token routed to e (rows of tokens not routed to e are masked off, so they cost no
+            memory traffic), accumulates both dot products in fp32 and writes SiLU(gate) * up for each (token, e) pair
+            into its row of h [T*K, F] (fp32, indexed by pair t*K + k). Tokens that share an expert are served by the
+            same program, so each weight row is read once per step.
+  down      program (token t, d-block): owns output rows d0:d0+BD of token t. It loops over t's top-k experts and the
+            intermediate dim in chunks (one flat loop, so the compiler can pipeline it), folds the routing weight into
+            the h chunk and adds into a single fp32 accumulator; one write of y[t, d0:d0+BD]. Programs of one d-block
+            for all tokens are adjacent in the launch order (token is grid axis 0), so when tokens share an expert its
+            rows are read from HBM once and served from L2 to the others.
+
+There is no per-expert padding and no gather/scatter/combine buffer: h is one fp32 row per (token, expert) pair, and
+the only preprocessing is, for small batches, a one-fusion dedup of the routed experts into slots.
+
+Slots: "pairs" mode gives one slot per (token, k) pair (a repeated expert's later slots are marked -1 and exit at
+once), which for one token is exactly its k experts; "experts" mode gives one slot per expert (experts no token routed
+to exit at once). "auto" takes pairs while T*K < E / 2.
+
+Why the Pallas Triton backend (`pl.pallas_call` + `jax.experimental.pallas.triton`) and not Mosaic GPU (`plgpu.kernel`):
+  * it runs in interpret mode on the CPU (jax 0.10.2, CI) and compiles on the H100 (jax 0.11.2), with masked loads and
+    stores, so odd sizes need no padding copies; both kernels are GEMV-shaped streams with a data-dependent base
+    pointer (the expert id read from a ref), which Triton expresses as pointer arithmetic, and its software pipeliner
+    (`num_stages`) keeps several weight tiles in flight per program without hand-written barriers;
+  * Mosaic GPU's warp/warpgroup model wants SMEM staging through TMA/cp.async with explicit barriers and layouts; a
+    gather of token rows and per-row masks are awkward there, and the interpret-mode story on 0.10.2 goes through a
+    different interpreter. The Triton backend is deprecated in 0.11 but works; a Mosaic GPU port is the fallback if it
+    is removed (the data layout and grid above carry over: one warpgroup per program).
+  * Interpret mode cannot mix array indices with slices in one load/store, so gathers/scatters here use full array
+    indices (h rows) and everything else uses scalar + `pl.ds` indexing (which is also what Triton analyses best).
+
+Layouts (per layer; a leading layer axis [L, ...] with a `layer` index is accepted so stacked weights are never sliced
+into a copy): w_gate, w_up [E, F, D] and w_down [E, D, F], i.e. HF's Linear [out, in] per expert, so every weight row
+an output element needs is contiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+log = logging.getLogger("jphoton.kernels")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpDecodeConfig:
+    """Tile sizes (powers of two; clipped to the problem) and launch parameters of the two kernels."""
+
+    block_f: int = 32  # gate_up: intermediate rows per program
+    block_k: int = 256  # gate_up: hidden-dim chunk per loop step
+    block_d: int = 16  # down: output rows per program
+    block_fd: int = 256  # down: intermediate-dim chunk per loop step
+    warps_gate_up: int = 4
+    stages_gate_up: int = 3
+    warps_down: int = 4
+    stages_down: int = 3
+    slots: str = "auto"  # "pairs" | "experts" | "auto"
+
+    def __post_init__(self):
+        for name in ("block_f", "block_k", "block_d", "block_fd"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"WarpDecodeConfig.{name} must be a power of two, got {v}")
+        if self.slots not in ("auto", "pairs", "experts"):
+            raise ValueError(f"WarpDecodeConfig.slots must be 'auto', 'pairs' or 'experts', got {self.slots!r}")
+
+
+def default_config(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> WarpDecodeConfig:
+    """A starting point per batch size; benchmarks/moe_decode.py --sweep measures alternatives on the GPU."""
+    del num_experts, top_k, hidden, inter
+    if tokens == 1:
+        return WarpDecodeConfig(block_f=16, block_k=512, block_d=16, block_fd=256)
+    return WarpDecodeConfig()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _use_interpret(interpret: bool | None) -> bool:
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+_logged: set = set()
+
+
+def _log_path(interpret: bool, what: str) -> None:
+    key = (interpret, what)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("warp-decode MoE %s: %s", what, "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
+
+
+def _compiler_params(warps: int, stages: int):
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gate_up
+
+
+def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK):
+    fb, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    e = slots_ref[s]
+    tt = jnp.arange(M, dtype=jnp.int32)
+    kk = jnp.arange(KK, dtype=jnp.int32)
+    ids = plgpu.load(ids_ref.at[pl.ds(0, M), pl.ds(0, KK)], mask=(tt[:, None] < T) & (kk[None, :] < K), other=-1)
+    match = ids == e  # [M, KK]: at most one hit per row (a token's top-k experts are distinct)
+    hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [M]
+    k_of = jnp.sum(jnp.where(match, kk[None, :], 0), axis=1)  # [M]: which of the token's k slots routes to e
+    any_hit = jnp.max(hit.astype(jnp.int32)) > 0
+
+    @pl.when((e >= 0) & any_hit)
+    def _():
+        f0 = fb * BF
+        fcols = f0 + jnp.arange(BF, dtype=jnp.int32)
+        fmask = fcols < F
+
+        def body(i, carry):
+            acc_g, acc_u = carry
+            k0 = i * BK
+            kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < D
+            wmask = fmask[:, None] & kmask[None, :]
+            wg = plgpu.load(wg_ref.at[layer, e, pl.ds(f0, BF), pl.ds(k0, BK)], mask=wmask, other=0.0)  # [BF, BK]
+            wu = plgpu.load(wu_ref.at[layer, e, pl.ds(f0, BF), pl.ds(k0, BK)], mask=wmask, other=0.0)
+            x = plgpu.load(x_ref.at[pl.ds(0, M), pl.ds(k0, BK)], mask=hit[:, None] & kmask[None, :], other=0.0)
+            if M == 1:  # one token: a GEMV, multiply-and-reduce in fp32
+                xf = x.astype(jnp.float32)
+                acc_g += jnp.sum(wg.astype(jnp.float32) * xf, axis=1)[None, :]
+                acc_u += jnp.sum(wu.astype(jnp.float32) * xf, axis=1)[None, :]
+            else:  # tensor cores: bf16 operands, fp32 accumulation
+                dims = (((1,), (1,)), ((), ()))
+                acc_g += jax.lax.dot_general(x, wg, dims, preferred_element_type=jnp.float32)
+                acc_u += jax.lax.dot_general(x, wu, dims, preferred_element_type=jnp.float32)
+            return acc_g, acc_u
+
+        zeros = jnp.zeros((M, BF), jnp.float32)
+        acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(D, BK), body, (zeros, zeros))
+        h = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u
+        rows = tt * K + k_of  # pair index of (token, e); masked rows never write
+        plgpu.store(h_ref.at[rows[:, None], fcols[None, :]], h.astype(h_ref.dtype), mask=hit[:, None] & fmask[None, :])
+
+
+def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, interpret: bool) -> jax.Array:
+    """h [T*K, F] float32: SiLU(x W_gate^T) * (x W_up^T) for every (token, routed expert) pair, row t*K + k."""
+    T, D = x.shape
+    K = topk_ids.shape[1]
+    _, _, F, _ = w_gate.shape
+    M = 1 if T == 1 else max(16, _pow2(T))
+    BF = min(cfg.block_f, max(16, _pow2(F)))
+    BK = min(cfg.block_k, max(16, _pow2(D)))
+    kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(F, BF), slots.shape[0]),
+        out_shape=jax.ShapeDtypeStruct((T * K, F), jnp.float32),
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg.warps_gate_up, cfg.stages_gate_up),
+        name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}",
+    )(layer, slots, topk_ids, x, w_gate, w_up)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# down
+
+
+def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, D, F, BD, BFD):
+    t, db = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    d0 = db * BD
+    dmask = d0 + jnp.arange(BD, dtype=jnp.int32) < D
+    nf = pl.cdiv(F, BFD)
+
+    def body(j, acc):
+        k = j // nf
+        f0 = (j % nf) * BFD
+        e = ids_ref[t, k]
+        w = wts_ref[t, k]
+        fmask = f0 + jnp.arange(BFD, dtype=jnp.int32) < F
+        hrow = plgpu.load(h_ref.at[t * K + k, pl.ds(f0, BFD)], mask=fmask, other=0.0)  # [BFD] fp32
+        wd = plgpu.load(wd_ref.at[layer, e, pl.ds(d0, BD), pl.ds(f0, BFD)], mask=dmask[:, None] & fmask[None, :],
+                        other=0.0)  # [BD, BFD] bf16
+        return acc + jnp.sum(wd.astype(jnp.float32) * (w * hrow)[None, :], axis=1)
+
+    acc = jax.lax.fori_loop(0, K * nf, body, jnp.zeros((BD,), jnp.float32))
+    plgpu.store(y_ref.at[t, pl.ds(d0, BD)], acc.astype(y_ref.dtype), mask=dmask)
+
+
+def down(h, topk_ids, topk_weights, w_down, layer, out_dtype, cfg: WarpDecodeConfig, interpret: bool) -> jax.Array:
+    """y [T, D] = sum_k w[t, k] * h[t*K + k] W_down[ids[t, k]]^T, one fp32 accumulator per output element."""
+    T, K = topk_ids.shape
+    _, _, D, F = w_down.shape
+    BD = min(cfg.block_d, _pow2(D))
+    BFD = min(cfg.block_fd, _pow2(F))
+    kernel = functools.partial(_down_kernel, K=K, D=D, F=F, BD=BD, BFD=BFD)
+    return pl.pallas_call(
+        kernel,
+        grid=(T, pl.cdiv(D, BD)),
+        out_shape=jax.ShapeDtypeStruct((T, D), out_dtype),
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg.warps_down, cfg.stages_down),
+        name=f"moe_warp_down_BD{BD}_BF{BFD}",
+    )(layer, topk_ids, topk_weights, h, w_down)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the layer
+
+
+def _slots(topk_ids: jax.Array, num_experts: int, mode: str) -> jax.Array:
+    T, K = topk_ids.shape
+    if mode == "auto":
+        mode = "pairs" if T * K < num_experts // 2 else "experts"
+    if mode == "experts":
+        return jnp.arange(num_experts, dtype=jnp.int32)
+    flat = topk_ids.reshape(-1)
+    if T == 1:
+        return flat  # one token's top-k experts are distinct
+    n = flat.shape[0]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    repeated = jnp.any((flat[None, :] == flat[:, None]) & earlier, axis=1)
+    return jnp.where(repeated, -1, flat)
+
+
+def _as_stacked(w: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    if w.ndim == 3:
+        w, layer = w[None], 0
+    return w, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
+def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, D], got {x.shape}")
+    T, D = x.shape
+    if topk_ids.shape != topk_weights.shape or topk_ids.ndim != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be [T={T}, K]")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    if w_gate.shape != w_up.shape or w_gate.ndim != 4 or w_down.ndim != 4:
+        raise ValueError(f"w_gate/w_up must be [L, E, F, D] and w_down [L, E, D, F]; got {w_gate.shape}, {w_up.shape}, "
+                         f"{w_down.shape}")
+    L, E, F, Dw = w_gate.shape
+    if Dw != D or w_down.shape != (L, E, D, F):
+        raise ValueError(f"weight shapes {w_gate.shape} / {w_down.shape} do not fit x {x.shape}")
+
+
+def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None, *,
+                    config: WarpDecodeConfig | None = None, interpret: bool | None = None) -> jax.Array:
+    """The routed-experts part of a MoE layer for T tokens: y[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t]).
+
+    x [T, D] (bf16 or f32); topk_ids [T, K] int; topk_weights [T, K] (used in fp32); w_gate, w_up [E, F, D] and
+    w_down [E, D, F], or stacked [L, ...] with `layer` (a Python int or a traced scalar). Returns [T, D] in x.dtype.
+    interpret: None = interpret mode unless the default backend is a GPU."""
+    w_gate, layer_arr = _as_stacked(w_gate, layer)
+    w_up, _ = _as_stacked(w_up, layer)
+    w_down, _ = _as_stacked(w_down, layer)
+    check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+    T, D = x.shape
+    _, E, F, _ = w_gate.shape
+    K = topk_ids.shape[1]
+    cfg = config or default_config(T, E, K, D, F)
+    interp = _use_interpret(interpret)
+    _log_path(interp, f"T={T}")
+    ids = topk_ids.astype(jnp.int32)
+    slots = _slots(ids, E, cfg.slots)
+    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        h = gate_up(x, ids, slots, w_gate, w_up, layer_arr, cfg, interp)
+        return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_arr, x.dtype, cfg, interp)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# float32 reference
+
+
+def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+    """Plain jnp, float32 throughout (weights upcast), one top-k slot at a time: the numerical oracle. Returns f32."""
+    if w_gate.ndim == 4:
+        w_gate, w_up, w_down = w_gate[layer], w_up[layer], w_down[layer]
+    xf = x.astype(jnp.float32)
+    out = jnp.zeros(x.shape, jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    for k in range(topk_ids.shape[1]):
+        e = topk_ids[:, k]
+        g = jnp.einsum("td,tfd->tf", xf, w_gate[e].astype(jnp.float32), precision=hi)
+        u = jnp.einsum("td,tfd->tf", xf, w_up[e].astype(jnp.float32), precision=hi)
+        h = jax.nn.silu(g) * u
+        y = jnp.einsum("tf,tdf->td", h, w_down[e].astype(jnp.float32), precision=hi)
+        out = out + topk_weights[:, k].astype(jnp.float32)[:, None] * y
+    return out
