@@ -34,7 +34,8 @@ def _cmd_generate(args) -> int:
                             top_k=args.top_k, seed=args.seed)
     # One request: one decode row and one prefill shape, compiled on first use rather than a full bucket warm-up.
     llm = LLM(args.model, dtype=args.dtype, progress=True, max_num_seqs=1, decode_buckets=(1,),
-              prefill_buckets=((1, 128),), warmup=False, pipeline_depth=args.pipeline_depth)
+              prefill_buckets=((1, 128),), warmup=False, pipeline_depth=args.pipeline_depth,
+              moe_backend=args.moe_backend)
     if args.raw:
         prompt = args.prompt
     else:
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
+    g.add_argument("--moe-backend", default="auto", choices=("auto", "warp_decode", "expert_centric"),
+                   help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading")
