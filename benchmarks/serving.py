@@ -177,6 +177,12 @@ async def bench(args, address: str) -> dict:
                                              static["request_s_mean"])
             moving["ratio_vs_static"] = moving["decode_tok_s"] / static["decode_tok_s"]
             print(_line(moving) + f", ratio vs static {moving['ratio_vs_static']:.3f}", flush=True)
+            if c in BASELINE:
+                static["engine_only"] = BASELINE[c]
+                static["ratio_vs_engine_only"] = static["decode_tok_s"] / BASELINE[c]["decode_tok_s"]
+                print(f"C={c:3d} engine alone: {BASELINE[c]['decode_tok_s']:9.1f} decode tok/s "
+                      f"({BASELINE[c]['decode_ms']:.3f} ms/step); served static batch / engine alone "
+                      f"{static['ratio_vs_engine_only']:.3f}", flush=True)
             rows += [static, moving]
         stats = await stub.GetStats(pb.GetStatsRequest())
         compiles = stats.num_compiles - compiles_warm
@@ -218,14 +224,34 @@ def serve_child(spec: dict) -> None:
     def build():
         from jphoton import LLM
 
-        return LLM(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])
+        llm = LLM(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])
+        if spec["baseline"]:
+            engine_baseline(llm, spec)
+        return llm
 
     asyncio.run(run_until_signal(build, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"]))
 
 
+def engine_baseline(llm, spec: dict) -> None:
+    """The engine alone (no gRPC), before the server goes SERVING: a static batch of C through LLM's own loop, as
+    benchmarks/throughput.py measures it. What the server's static run is compared with."""
+    from benchmarks.common import timed_run
+    from jphoton import SamplingParams
+
+    rng = random.Random(1)
+    for c in spec["concurrency"]:
+        prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(spec["prompt_len"])] for _ in range(c)]
+        timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        r = timed_run(llm, prompts, SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True))
+        print("baseline: " + json.dumps({"concurrency": c, "decode_ms": r.decode_ms_median,
+                                         "decode_tok_s": c / (r.decode_ms_median / 1e3), "end_to_end_tok_s": r.tok_s,
+                                         "compiles_during_run": r.compiles_during_run}), flush=True)
+
+
 def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     spec = {"model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
-            "switch_interval": args.switch_interval}
+            "switch_interval": args.switch_interval, "baseline": args.engine_baseline,
+            "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     print(f"server: {spec}", flush=True)
     child = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
@@ -252,9 +278,15 @@ def _die_with_parent() -> None:
         pass
 
 
+BASELINE: dict[int, dict] = {}  # concurrency -> the engine alone, as the server child reported it
+
+
 def _forward(stream) -> None:
     for line in stream:
         sys.stdout.write("server: " + line)
+        if line.startswith("baseline: "):
+            row = json.loads(line[len("baseline: "):])
+            BASELINE[row["concurrency"]] = row
 
 
 def main() -> None:
@@ -271,6 +303,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--switch-interval", type=float, default=0.001,
                     help="the server process's GIL switch interval, s (what `jphoton serve` uses; Python's default 0.005)")
+    ap.add_argument("--no-engine-baseline", dest="engine_baseline", action="store_false",
+                    help="skip timing the engine alone (no gRPC) in the server process before it serves")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: run as the server child
     args = ap.parse_args()
