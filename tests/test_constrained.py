@@ -118,11 +118,11 @@ def test_constrained_and_free_rows_share_steps(runs):
         shared = [r for r in records if 0 < r.constrained_rows < r.rows]
         assert shared, f"no step mixed free and grammar rows at {key}"
         assert all(r.t_finalize >= r.t_launched for r in records if r.constrained_rows)
-    # Depth 2: step t+1's forward is launched before t is committed, and only its sampling waits for that commit.
+    # Depth 2: step t+1's forward is launched before t is committed; only its masks wait for t's tokens.
     records = runs[2, 0.0][2]
     by_id = {r.step_id: r for r in records}
     overlapped = [r for r in records if r.constrained_rows and r.step_id - 1 in by_id
-                  and r.t_launched < by_id[r.step_id - 1].t_commit and r.t_finalize > by_id[r.step_id - 1].t_committed]
+                  and r.t_launched < by_id[r.step_id - 1].t_commit and r.t_finalize > by_id[r.step_id - 1].t_ready]
     assert len(overlapped) > len(records) // 2
 
 

@@ -14,6 +14,7 @@ sample inside the forward and finalize is a no-op for them, so they run a step a
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 
@@ -52,6 +53,9 @@ class Engine:
         self.num_steps = 0
         self.num_constrained_steps = 0
         self.grammar = grammar
+        self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-masks")
+        self._mask_job = None  # (slot, host mask, future) while a step's grammar masks are being filled
+        self._next = None  # (plan, record, packed input) of a step planned ahead, during a mask fill
         self.telemetry = Telemetry()
         self._records: dict[int, StepRecord] = {}
 
@@ -75,24 +79,23 @@ class Engine:
         return out
 
     def has_work(self) -> bool:
-        return bool(self.inflight) or self.scheduler.has_work()
+        return bool(self.inflight) or self._next is not None or self.scheduler.has_work()
 
     # ---- the tick --------------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """One tick: launch the next step if there is one, then commit what the pipeline depth says is due."""
+        """One tick: launch the next step if there is one, commit what the pipeline depth says is due, finalize the
+        sampling of a step that waits for grammar masks."""
         outputs: list[Output] = []
         now = self.telemetry.now
-        t_plan = now()
-        plan = self.scheduler.plan()
+        if self._next is not None:  # planned (and packed) last tick while the masks were being filled
+            plan, rec, packed = self._next
+            self._next = None
+        else:
+            plan, rec, packed = self._plan()
         if plan is not None:
-            kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
-            rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan, t_launch=now())
-            rec.constrained_rows = sum(1 for r in plan.rows if r.samples and r.seq.constraint is not None)
-            if rec.constrained_rows and self.num_constrained_steps == 0:
-                log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
-                         "sample later)")
-            self.num_constrained_steps += rec.constrained_rows > 0
-            self.inflight.append(self.runner.launch(plan, rec, defer_sampling=rec.constrained_rows > 0))
+            rec.t_launch = now()
+            self.inflight.append(self.runner.launch(plan, rec, defer_sampling=rec.constrained_rows > 0,
+                                                    packed=packed))
             rec.t_launched = now()
             self._records[plan.step_id] = rec
             self.num_steps += 1
@@ -106,37 +109,71 @@ class Engine:
             rec.t_commit = now()
             result = self.runner.fetch(slot)
             rec.t_ready = now()
-            outputs += self._commit(step_plan, result)
+            verdicts = self._advance_grammar(step_plan, result)
+            waiting = next((s for s in self.inflight if s.awaiting_mask), None)
+            if waiting is not None:  # its masks need only the matchers, not the rest of this commit: start them now
+                self._start_masks(waiting)
+            outputs += self._commit(step_plan, result, verdicts)
             rec.t_committed = now()
             self.telemetry.add(rec)
         for slot in self.inflight:
             if slot.awaiting_mask:
+                if self.depth == 2 and self._mask_job is not None:
+                    # Plan and pack the next step while the matchers fill the masks (in Rust threads, GIL released).
+                    self._next = self._plan()
                 self._finalize(slot)
         return outputs
 
-    def _finalize(self, slot: DecodeSlot) -> None:
-        """Sample a step that has grammar rows: every token before it is committed now, so each matcher's state is
-        the one its row's mask needs."""
+    def _plan(self):
+        t_plan = self.telemetry.now()
+        plan = self.scheduler.plan()
+        if plan is None:
+            return None, None, None
+        kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
+        rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan)
+        rec.constrained_rows = sum(1 for r in plan.rows if r.samples and r.seq.constraint is not None)
+        if rec.constrained_rows and self.num_constrained_steps == 0:
+            log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
+                     "sample later)")
+        self.num_constrained_steps += rec.constrained_rows > 0
+        return plan, rec, self.runner.pack(plan)
+
+    # ---- grammar rows ----------------------------------------------------------------------------------------------
+    def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, tuple[bool, bool, str]]:
+        """Feed every live grammar row its committed token: {id(row): (accepted, grammar complete, error)}. Read out
+        here, before any mask job runs, so that no matcher is touched from two threads."""
+        guided = [r for r in plan.rows if r.samples and not r.seq.finalized and r.seq.constraint is not None]
+        if not guided:
+            return {}
+        oks = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in guided])
+        return {id(r): (ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
+                for r, ok in zip(guided, oks, strict=True)}
+
+    def _start_masks(self, slot: DecodeSlot) -> None:
+        """Fill the step's grammar masks in the background; every token before the step is committed (or, mid-commit,
+        fed to its matcher), so each matcher is in the state its row's mask needs."""
         rec = self._records[slot.plan.step_id]
         rec.t_finalize = self.telemetry.now()
         mask = self.runner.mask_buffer()
-        rows = []
-        for row in slot.plan.rows:
-            seq = row.seq
-            if row.samples and seq.constraint is not None and not seq.finalized:  # zombies keep the all-ones row
-                assert seq.pending_samples == 1, "a grammar row's mask is built from a stale matcher state"
-                rows.append((seq.constraint, row.out_row))
-        self.grammar.fill_masks(rows, mask)
+        rows = [(r.seq.constraint, r.out_row) for r in slot.plan.rows
+                if r.samples and r.seq.constraint is not None and not r.seq.finalized
+                and not r.seq.constraint.matcher.is_error()]  # zombies and failed rows keep the all-ones row
+        self._mask_job = (slot, mask, self._mask_pool.submit(self.grammar.fill_masks, rows, mask))
+
+    def _finalize(self, slot: DecodeSlot) -> None:
+        """Sample a step that has grammar rows, with its masks."""
+        if self._mask_job is None or self._mask_job[0] is not slot:
+            self._start_masks(slot)
+        _, mask, job = self._mask_job
+        self._mask_job = None
+        job.result()
+        rec = self._records[slot.plan.step_id]
         rec.t_masked = self.telemetry.now()
         self.runner.finalize(slot, mask)
         rec.t_finalized = self.telemetry.now()
 
-    def _commit(self, plan: StepPlan, result: StepResult) -> list[Output]:
+    def _commit(self, plan: StepPlan, result: StepResult, grammar: dict[int, tuple[bool, bool, str]]) -> list[Output]:
         outputs = []
-        sampled = [row for row in plan.rows if row.samples and not row.seq.finalized]
-        guided = [row for row in sampled if row.seq.constraint is not None]
-        verdicts = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in guided]) if guided else []
-        rejected = {id(r) for r, ok in zip(guided, verdicts, strict=True) if not ok}
         for row in plan.rows:
             seq = row.seq
             seq.inflight_refs -= 1
@@ -144,18 +181,17 @@ class Engine:
                 seq.pending_samples -= 1
             if row.samples and not seq.finalized:
                 token = int(result.tokens[row.out_row])
-                if id(row) in rejected:  # cannot happen with a correct mask; end this request only
-                    log.error("request %d: grammar rejected token %d: %s", seq.request_id, token,
-                              seq.constraint.error())
-                    outputs.append(Output(seq, seq.finish("error", f"the grammar rejected token {token}: "
-                                                                   f"{seq.constraint.error()}")))
+                accepted, grammar_done, error = grammar.get(id(row), (True, False, ""))
+                if not accepted:  # cannot happen with a correct mask; end this request only
+                    log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, error)
+                    outputs.append(Output(seq, seq.finish("error", f"the grammar rejected token {token}: {error}")))
                     self._maybe_release(seq)
                     continue
-                delta = seq.append(token, grammar_done=seq.constraint is not None and seq.constraint.done)
+                delta = seq.append(token, grammar_done=grammar_done)
                 lp = None
                 if seq.params.logprobs and result.logprobs is not None:
                     k = seq.params.logprobs
-                    lp = [(int(result.tokens[row.out_row]), float(result.logprobs[row.out_row, 0]),
+                    lp = [(token, float(result.logprobs[row.out_row, 0]),
                            {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],
                                                              result.logprobs[row.out_row, 1:k + 1], strict=True)})]
                     seq.logprobs.extend(lp)

@@ -167,19 +167,22 @@ class Runner:
         rows = np.zeros((self.static.max_rows, SAMPLER_ROW_FIELDS + masked * self.mask_words), np.int32)
         rows[:, SAMPLER_ROW_FIELDS:] = -1
         rows[:, 2] = np.float32(1.0).view(np.int32)
-        for row in plan.rows:
-            p, r = row.seq.params, row.out_row
-            rows[r, 0] = np.float32(p.temperature).view(np.int32)
-            rows[r, 1], rows[r, 2] = p.top_k, np.float32(p.top_p).view(np.int32)
-            rows[r, 3:5] = seed_key_data(row.seq.seed).view(np.int32)
-            rows[r, 5], rows[r, 6] = row.sample_index, p.logprobs or 0
+        out = [row.out_row for row in plan.rows]
+        params = [row.seq.params for row in plan.rows]
+        rows[out, 0] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+        rows[out, 1] = [p.top_k for p in params]
+        rows[out, 2] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan.rows], np.uint64)).view(np.int32)
+        rows[out, 5] = [row.sample_index for row in plan.rows]
+        rows[out, 6] = [p.logprobs or 0 for p in params]
         return (filtered, self.max_logprobs if want_lp else 0, masked), rows
 
-    def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False) -> DecodeSlot:
+    def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False,
+               packed: tuple[StepShape, np.ndarray] | None = None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
-        forward (and the logits) run now all the same."""
-        shape, packed = self.pack(plan)
+        forward (and the logits) run now all the same. packed: `pack(plan)`, if done ahead."""
+        shape, packed = packed or self.pack(plan)
         if record is not None:
             record.t_packed = time.perf_counter()
         slot = self._dispatch(shape, packed, record)
