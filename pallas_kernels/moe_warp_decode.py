@@ -262,12 +262,12 @@ def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
 
 
 def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None, *,
-                    config: WarpDecodeConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                    config: WarpDecodeConfig | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """The routed-experts part of a MoE layer for T tokens: y[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t]).
 
     x [T, D] (bf16 or f32); topk_ids [T, K] int; topk_weights [T, K] (used in fp32); w_gate, w_up [E, F, D] and
-    w_down [E, D, F], or stacked [L, ...] with `layer` (a Python int or a traced scalar). Returns [T, D] in x.dtype.
-    interpret: None = interpret mode unless the default backend is a GPU."""
+    w_down [E, D, F], or stacked [L, ...] with `layer` (a Python int or a traced scalar). Returns [T, D] in out_dtype
+    (default x.dtype). interpret: None = interpret mode unless the default backend is a GPU."""
     w_gate, layer_arr = _as_stacked(w_gate, layer)
     w_up, _ = _as_stacked(w_up, layer)
     w_down, _ = _as_stacked(w_down, layer)
@@ -283,7 +283,7 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         h = gate_up(x, ids, slots, w_gate, w_up, layer_arr, cfg, interp)
-        return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_arr, x.dtype, cfg, interp)
+        return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_arr, out_dtype or x.dtype, cfg, interp)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -198,7 +198,8 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
     return attend
 
 
-def reference_logits(params: Params, cfg: ModelConfig, sequences: list[np.ndarray]) -> list[np.ndarray]:
+def reference_logits(params: Params, cfg: ModelConfig, sequences: list[np.ndarray], unroll: bool = False,
+                     moe_backend: str = "auto") -> list[np.ndarray]:
     """Float32 logits at every position of each sequence, computed from scratch in one padded batch (one compile per
     padded length): the simplest possible oracle for tests."""
     T = max(len(s) for s in sequences)
@@ -207,6 +208,7 @@ def reference_logits(params: Params, cfg: ModelConfig, sequences: list[np.ndarra
         tokens[i, :len(s)] = s
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
     kv = init_dense_kv(cfg, len(sequences), T, params["embed"].dtype)
-    hidden, _ = forward(params, cfg, jnp.asarray(tokens), positions, tuple(kv), dense_attention(cfg, positions))
+    hidden, _ = forward(params, cfg, jnp.asarray(tokens), positions, tuple(kv), dense_attention(cfg, positions),
+                        unroll=unroll, moe_backend=moe_backend)
     logits = np.asarray(lm_head(params, hidden))
     return [logits[i, :len(s)] for i, s in enumerate(sequences)]
