@@ -80,10 +80,13 @@ class WarpDecodeConfig:
 
 
 def default_config(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> WarpDecodeConfig:
-    """A starting point per batch size; benchmarks/moe_decode.py --sweep measures alternatives on the GPU."""
+    """A starting point per batch size, chosen so that a 132-SM GPU gets several programs per SM at every size (the
+    bytes in flight that hide HBM latency); benchmarks/moe_decode.py --sweep measures alternatives on the GPU."""
     del num_experts, top_k, hidden, inter
     if tokens == 1:
-        return WarpDecodeConfig(block_f=16, block_k=512, block_d=16, block_fd=256)
+        return WarpDecodeConfig(block_f=16, block_k=512, block_d=4, block_fd=256)
+    if tokens <= 8:
+        return WarpDecodeConfig(block_f=32, block_k=256, block_d=8, block_fd=256)
     return WarpDecodeConfig()
 
 
@@ -181,18 +184,23 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
 # down
 
 
-def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, D, F, BD, BFD):
+def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D, F, BD, BFD):
     t, db = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     d0 = db * BD
     dmask = d0 + jnp.arange(BD, dtype=jnp.int32) < D
     nf = pl.cdiv(F, BFD)
+    # The token's experts and weights, loaded once: inside the loop a weight tile's address then depends on registers
+    # only, not on a scalar load per step, so consecutive tiles can be in flight together.
+    kk = jnp.arange(KK, dtype=jnp.int32)
+    ids = plgpu.load(ids_ref.at[t, pl.ds(0, KK)], mask=kk < K, other=0)
+    wts = plgpu.load(wts_ref.at[t, pl.ds(0, KK)], mask=kk < K, other=0.0)
 
     def body(j, acc):
-        k = j // nf
-        f0 = (j % nf) * BFD
-        e = ids_ref[t, k]
-        w = wts_ref[t, k]
+        k = jax.lax.div(j, jnp.int32(nf))  # lax, not // and %: jnp's floor-division sign fix-ups do not lower to Triton
+        f0 = jax.lax.rem(j, jnp.int32(nf)) * BFD
+        e = jnp.sum(jnp.where(kk == k, ids, 0))
+        w = jnp.sum(jnp.where(kk == k, wts, 0.0))
         fmask = f0 + jnp.arange(BFD, dtype=jnp.int32) < F
         hrow = plgpu.load(h_ref.at[t * K + k, pl.ds(f0, BFD)], mask=fmask, other=0.0)  # [BFD] fp32
         wd = plgpu.load(wd_ref.at[layer, e, pl.ds(d0, BD), pl.ds(f0, BFD)], mask=dmask[:, None] & fmask[None, :],
@@ -209,7 +217,7 @@ def down(h, topk_ids, topk_weights, w_down, layer, out_dtype, cfg: WarpDecodeCon
     _, _, D, F = w_down.shape
     BD = min(cfg.block_d, _pow2(D))
     BFD = min(cfg.block_fd, _pow2(F))
-    kernel = functools.partial(_down_kernel, K=K, D=D, F=F, BD=BD, BFD=BFD)
+    kernel = functools.partial(_down_kernel, K=K, KK=_pow2(K), D=D, F=F, BD=BD, BFD=BFD)
     return pl.pallas_call(
         kernel,
         grid=(T, pl.cdiv(D, BD)),
