@@ -53,6 +53,9 @@ class Engine:
         self.num_steps = 0
         self.num_constrained_steps = 0
         self.grammar = grammar
+        # Fill grammar masks on a worker thread, overlapping the rest of the commit and the next step's planning?
+        # (benchmarks/constrained.py measures both; the switch costs GIL hand-offs.)
+        self.overlap_masks = False
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-masks")
         self._mask_job = None  # (slot, host mask, future) while a step's grammar masks are being filled
         self._next = None  # (plan, record, packed input) of a step planned ahead, during a mask fill
@@ -111,14 +114,14 @@ class Engine:
             rec.t_ready = now()
             verdicts = self._advance_grammar(step_plan, result)
             waiting = next((s for s in self.inflight if s.awaiting_mask), None)
-            if waiting is not None:  # its masks need only the matchers, not the rest of this commit: start them now
-                self._start_masks(waiting)
+            if waiting is not None and self.overlap_masks:  # its masks need only the matchers: start them now
+                self._start_masks(waiting, background=True)
             outputs += self._commit(step_plan, result, verdicts)
             rec.t_committed = now()
             self.telemetry.add(rec)
         for slot in self.inflight:
             if slot.awaiting_mask:
-                if self.depth == 2 and self._mask_job is not None:
+                if self.depth == 2 and self._mask_job is not None and self._mask_job[2] is not None:
                     # Plan and pack the next step while the matchers fill the masks (in Rust threads, GIL released).
                     self._next = self._plan()
                 self._finalize(slot)
@@ -149,7 +152,7 @@ class Engine:
         return {id(r): (ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
                 for r, ok in zip(guided, oks, strict=True)}
 
-    def _start_masks(self, slot: DecodeSlot) -> None:
+    def _start_masks(self, slot: DecodeSlot, background: bool = False) -> None:
         """Fill the step's grammar masks in the background; every token before the step is committed (or, mid-commit,
         fed to its matcher), so each matcher is in the state its row's mask needs."""
         rec = self._records[slot.plan.step_id]
@@ -158,7 +161,12 @@ class Engine:
         rows = [(r.seq.constraint, r.out_row) for r in slot.plan.rows
                 if r.samples and r.seq.constraint is not None and not r.seq.finalized
                 and not r.seq.constraint.matcher.is_error()]  # zombies and failed rows keep the all-ones row
-        self._mask_job = (slot, mask, self._mask_pool.submit(self.grammar.fill_masks, rows, mask))
+        if background:
+            job = self._mask_pool.submit(self.grammar.fill_masks, rows, mask)
+        else:
+            self.grammar.fill_masks(rows, mask)
+            job = None
+        self._mask_job = (slot, mask, job)
 
     def _finalize(self, slot: DecodeSlot) -> None:
         """Sample a step that has grammar rows, with its masks."""
@@ -166,7 +174,8 @@ class Engine:
             self._start_masks(slot)
         _, mask, job = self._mask_job
         self._mask_job = None
-        job.result()
+        if job is not None:
+            job.result()
         rec = self._records[slot.plan.step_id]
         rec.t_masked = self.telemetry.now()
         self.runner.finalize(slot, mask)
