@@ -40,6 +40,21 @@ for section in "$@"; do
       # (benchmarks/assets/smollm2-tokenizer, written by `benchmarks/constrained.py --export-tokenizer`; carried, not committed)
       run constrained python3 benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out "$OUT" ;;
+    # issue 6: MoE decode. Per layer, Qwen3-30B-A3B and moondream3 shapes, B = 1..64: warp decode vs expert-centric vs
+    # dense gather, touched-expert bandwidth vs the read bandwidth measured in the same run, error vs float32.
+    moe-layer)
+      run moe-layer python3 benchmarks/moe_decode.py layer --out "$OUT/moe-layer.json" ;;
+    moe-sweep)  # tile configs of the two warp kernels (each kernel alone), Qwen3-30B-A3B shape
+      run moe-sweep python3 benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b --batch 1 8 32 \
+        --paths warp_decode --out "$OUT/moe-sweep.json" ;;
+    # End to end: random:qwen3-30b-a3b with as many layers as fit beside the KV pool (JAX may take 95% of the GPU
+    # here), layers scanned (compiles stay short), one section per backend.
+    moe-e2e-warp)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run moe-e2e-warp python3 benchmarks/moe_decode.py e2e \
+        --backends warp_decode --batch 1 8 32 --out "$OUT/moe-e2e-warp.json" ;;
+    moe-e2e-ec)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run moe-e2e-ec python3 benchmarks/moe_decode.py e2e \
+        --backends expert_centric --batch 1 8 32 --out "$OUT/moe-e2e-ec.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     *) echo "unknown section $section"; exit 2 ;;

@@ -55,6 +55,10 @@ from jax.experimental.pallas import triton as plgpu
 
 log = logging.getLogger("jphoton.kernels")
 
+# Most tokens one kernel call takes: gate_up keeps a [tokens, BF] fp32 accumulator pair in registers. Larger steps
+# (prefill, when warp decode is forced) run in chunks of this many tokens, each re-reading its experts' weights.
+MAX_ROWS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class WarpDecodeConfig:
@@ -276,6 +280,11 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
     x [T, D] (bf16 or f32); topk_ids [T, K] int; topk_weights [T, K] (used in fp32); w_gate, w_up [E, F, D] and
     w_down [E, D, F], or stacked [L, ...] with `layer` (a Python int or a traced scalar). Returns [T, D] in out_dtype
     (default x.dtype). interpret: None = interpret mode unless the default backend is a GPU."""
+    if x.shape[0] > MAX_ROWS:  # a prefill-sized step (only when warp decode is forced): bounded register tiles
+        return jnp.concatenate([
+            moe_warp_decode(x[i:i + MAX_ROWS], topk_ids[i:i + MAX_ROWS], topk_weights[i:i + MAX_ROWS], w_gate, w_up,
+                            w_down, layer, config=config, interpret=interpret, out_dtype=out_dtype)
+            for i in range(0, x.shape[0], MAX_ROWS)])
     w_gate, layer_arr = _as_stacked(w_gate, layer)
     w_up, _ = _as_stacked(w_up, layer)
     w_down, _ = _as_stacked(w_down, layer)

@@ -1,0 +1,338 @@
+"""MoE decode (issue 6): the warp-decode Pallas kernels vs the plain-JAX paths, per layer and through the engine.
+
+    python benchmarks/moe_decode.py layer --out /tmp/moe_layer.json          # Qwen3-30B-A3B and moondream3 shapes
+    python benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b     # tile configs of the two warp kernels
+    python benchmarks/moe_decode.py e2e --out /tmp/moe_e2e.json              # random:qwen3-30b-a3b through the engine
+    python benchmarks/moe_decode.py layer --smoke; python benchmarks/moe_decode.py e2e --smoke   # tiny, on the CPU
+
+layer: one MoE layer's routed experts (routing is given: the same for every path; the router's own time is reported
+once) for B tokens, bf16 weights and activations. Paths: warp_decode (two Pallas kernels), expert_centric (sort +
+`ragged_dot_general` + combine), dense_gather (`w[ids]` + einsum). Each timing runs R calls inside one jitted function
+(dispatch amortised), each call with its own random routing and alternating between two layers' weights, so no call
+finds its experts in L2 from the previous one. Bandwidth = bytes of the experts the call actually touched / time,
+compared with the read bandwidth (`jnp.sum` over 8 GiB) measured in the same run. Error: relative to the float32
+reference (pallas_kernels/moe_warp_decode.moe_reference), max|Δ|/max|ref| and RMS.
+
+e2e: random:qwen3-30b-a3b with as many layers as fit beside the KV pool (or --layers N), B requests decoding at once
+through the engine, per MoE backend: ms per decode step and tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import logging
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from benchmarks.common import device_info, read_bandwidth, write_json  # noqa: E402
+from jphoton.models import moe  # noqa: E402
+from pallas_kernels import moe_warp_decode as wd  # noqa: E402
+
+SHAPES = {  # hidden D, expert intermediate F, experts E, top-k K
+    "qwen3-30b-a3b": dict(D=2048, F=768, E=128, K=8),
+    "moondream3": dict(D=2048, F=1024, E=64, K=8),
+}
+SMOKE_SHAPES = {"tiny": dict(D=72, F=40, E=16, K=4)}
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+# ---- per layer ---------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal_bf16(key, shape, scale):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+
+
+def make_layers(D, F, E, layers, seed=0):
+    """`layers` independent layers of bf16 expert weights [E, F, D] / [E, D, F], scaled for O(1) outputs."""
+    out = []
+    for i in range(layers):
+        k = jax.random.split(jax.random.key(seed + i), 3)
+        out.append((_normal_bf16(k[0], (E, F, D), D ** -0.5), _normal_bf16(k[1], (E, F, D), D ** -0.5),
+                    _normal_bf16(k[2], (E, D, F), F ** -0.5)))
+    return out
+
+
+def make_routes(B, D, E, K, n, seed=0):
+    """n independent (x, ids, weights): x ~ N(0, 1) bf16; routing from the top-k of a random router's softmax."""
+    rng = jax.random.key(1000 + seed)
+    router = jax.random.normal(jax.random.fold_in(rng, 0), (D, E), jnp.float32).astype(jnp.bfloat16) * D ** -0.5
+    out = []
+    for r in range(n):
+        x = jax.random.normal(jax.random.fold_in(rng, r + 1), (B, D), jnp.float32).astype(jnp.bfloat16)
+        ids, w = moe.route(x, router * 4.0, K, True)
+        out.append((x, ids, w))
+    return router, out
+
+
+def expert_bytes(D, F) -> int:
+    return 3 * D * F * 2
+
+
+def time_impl(impl, weights, routes, reps: int) -> float:
+    """Seconds per call: R = len(routes) calls in one jit, call r on layer r % len(weights)."""
+    L = len(weights)
+
+    def many(ws, rs):
+        return [impl(x, ids, w, *ws[r % L]) for r, (x, ids, w) in enumerate(rs)]
+
+    f = jax.jit(many)
+    jax.block_until_ready(f(weights, routes))
+    jax.block_until_ready(f(weights, routes))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(weights, routes)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / (reps * len(routes))
+
+
+def errors(impl, weights, route) -> dict:
+    x, ids, w = route
+    ref = np.asarray(wd.moe_reference(x, ids, w, *weights[0]))
+    got = np.asarray(jax.jit(impl)(x, ids, w, *weights[0]), np.float32)
+    d = got - ref
+    return {"max_rel": float(np.abs(d).max() / np.abs(ref).max()),
+            "rms_rel": float(np.sqrt(np.mean(d ** 2) / np.mean(ref ** 2)))}
+
+
+def warp_impl(cfg=None):
+    return lambda x, ids, w, g, u, d: wd.moe_warp_decode(x, ids, w, g, u, d, config=cfg)
+
+
+IMPLS = {"warp_decode": warp_impl(), "expert_centric": moe.expert_centric, "dense_gather": moe.dense_gather}
+
+
+def layer_bench(args) -> dict:
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    batches = args.batch or ((1, 4) if args.smoke else BATCHES)
+    R = 2 if args.smoke else args.calls
+    reps = 1 if args.smoke else args.reps
+    bw = read_bandwidth(gib=0.05 if args.smoke else 8.0, reps=2 if args.smoke else 10)
+    info = device_info()
+    print(f"{info}\nread bandwidth: {bw / 1e12:.3f} TB/s (jnp.sum over {'0.05' if args.smoke else '8'} GiB)",
+          flush=True)
+    rows, sweeps = [], []
+    for name, s in shapes.items():
+        D, F, E, K = s["D"], s["F"], s["E"], s["K"]
+        t0 = time.perf_counter()
+        weights = make_layers(D, F, E, layers=2)
+        print(f"\n== {name}: D={D} F={F} E={E} top-{K}, {expert_bytes(D, F) / 2**20:.1f} MiB per expert "
+              f"(weights built in {time.perf_counter() - t0:.1f}s)", flush=True)
+        for B in batches:
+            router, routes = make_routes(B, D, E, K, R, seed=B)
+            uniq = [len(np.unique(np.asarray(ids))) for _, ids, _ in routes]
+            touched = float(np.mean(uniq)) * expert_bytes(D, F)
+            route_fn = jax.jit(lambda x, r, K=K: moe.route(x, r, K, True))
+            route_s = _time_simple(route_fn, routes[0][0], router, reps=20 if not args.smoke else 1)
+            row = dict(shape=name, D=D, F=F, E=E, K=K, B=B, unique_experts=float(np.mean(uniq)),
+                       touched_bytes=touched, floor_us=touched / bw * 1e6, router_us=route_s * 1e6, paths={})
+            for path in args.paths:
+                entry = {}
+                try:
+                    sec = time_impl(IMPLS[path], weights, routes, reps)
+                    entry = dict(us=sec * 1e6, bandwidth_TBps=touched / sec / 1e12, fraction_of_read_bw=touched / sec / bw,
+                                 **errors(IMPLS[path], weights, routes[0]))
+                except Exception as e:  # one failing path must not lose the others' numbers
+                    entry = dict(error=f"{type(e).__name__}: {e}"[:2000])
+                    traceback.print_exc()
+                row["paths"][path] = entry
+            _finish_row(row)
+            rows.append(row)
+            if args.sweep:
+                sweeps.append(sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=args.smoke))
+    return {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows, "sweeps": sweeps}
+
+
+def _time_simple(f, *a, reps=20) -> float:
+    jax.block_until_ready(f(*a))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(*a)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+
+def _finish_row(row: dict) -> None:
+    p = row["paths"]
+    plain = [p[k]["us"] for k in ("expert_centric", "dense_gather") if "us" in p.get(k, {})]
+    warp = p.get("warp_decode", {})
+    if plain and "us" in warp:
+        row["best_plain_us"] = min(plain)
+        row["speedup_vs_best_plain"] = min(plain) / warp["us"]
+    parts = [f"B={row['B']:3d} uniq={row['unique_experts']:6.1f} floor {row['floor_us']:8.1f}us "
+             f"router {row['router_us']:6.1f}us"]
+    for k, v in p.items():
+        if "us" in v:
+            parts.append(f"{k} {v['us']:8.1f}us {v['fraction_of_read_bw']:5.1%} err {v['max_rel']:.1e}/{v['rms_rel']:.1e}")
+        else:
+            parts.append(f"{k} FAILED")
+    if "speedup_vs_best_plain" in row:
+        parts.append(f"speedup {row['speedup_vs_best_plain']:.2f}x")
+    print(" | ".join(parts), flush=True)
+
+
+GATE_UP_TILES = ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256))  # (block_f, block_k)
+DOWN_TILES = ((4, 256), (8, 256), (16, 256), (8, 512), (16, 512), (32, 128))  # (block_d, block_fd)
+
+
+def sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=False) -> dict:
+    """Each kernel alone over tile sizes, warps, stages and slot modes; then the best pair together."""
+    n = 2 if small else None
+    warps, stages = ((4,), (3,)) if small else ((4, 8), (3, 4))
+    (g, u, d) = weights[0]
+    g4, u4, d4 = g[None], u[None], d[None]
+    layer = jnp.zeros((1,), jnp.int32)
+    interp = wd._use_interpret(None)
+    results = {"B": B, "gate_up": [], "down": []}
+    x, ids, w = routes[0]
+    base = wd.default_config(B, E, K, D, F)
+    h = wd.gate_up(x, ids, wd._slots(ids, E, base.slots), g4, u4, layer, base, interp)
+    for (bf, bk), nw, ns, slots in itertools.product(GATE_UP_TILES[:n], warps, stages, ("pairs", "experts")):
+        if slots == "pairs" and B * K > E:
+            continue
+        cfg = wd.WarpDecodeConfig(block_f=bf, block_k=bk, warps_gate_up=nw, stages_gate_up=ns, slots=slots)
+        fn = jax.jit(lambda x, ids, cfg=cfg: wd.gate_up(x, ids, wd._slots(ids, E, cfg.slots), g4, u4, layer, cfg, interp))
+        results["gate_up"].append(_sweep_point(fn, (x, ids), cfg, reps))
+    for (bd, bfd), nw, ns in itertools.product(DOWN_TILES[:n], warps, stages):
+        cfg = wd.WarpDecodeConfig(block_d=bd, block_fd=bfd, warps_down=nw, stages_down=ns)
+        fn = jax.jit(lambda h, ids, w, cfg=cfg: wd.down(h, ids, w, d4, layer, jnp.bfloat16, cfg, interp))
+        results["down"].append(_sweep_point(fn, (h, ids, w), cfg, reps))
+    best = {}
+    for kind in ("gate_up", "down"):
+        ok = [r for r in results[kind] if "us" in r]
+        if ok:
+            best[kind] = min(ok, key=lambda r: r["us"])
+            print(f"   sweep B={B} {kind}: best {best[kind]['us']:.1f}us {best[kind]['config']} "
+                  f"({len(ok)}/{len(results[kind])} configs compiled)", flush=True)
+    if len(best) == 2:
+        c = {**best["gate_up"]["config"], **{k: v for k, v in best["down"]["config"].items()
+                                                if k in ("block_d", "block_fd", "warps_down", "stages_down")}}
+        cfg = wd.WarpDecodeConfig(**c)
+        sec = time_impl(warp_impl(cfg), weights, routes, reps)
+        results["best"] = dict(config=c, us=sec * 1e6, fraction_of_read_bw=touched / sec / bw)
+        print(f"   sweep B={B} best pair: {sec * 1e6:.1f}us = {touched / sec / bw:.1%} of read bandwidth", flush=True)
+    return results
+
+
+def _sweep_point(fn, a, cfg, reps) -> dict:
+    import dataclasses
+
+    try:
+        us = _time_simple(fn, *a, reps=max(reps * 4, 10)) * 1e6
+        return dict(config=dataclasses.asdict(cfg), us=us)
+    except Exception as e:
+        return dict(config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {e}"[:500])
+
+
+# ---- end to end --------------------------------------------------------------------------------------------------------
+
+
+def fit_layers(cfg, reserve_bytes: float) -> int:
+    """As many layers as fit in the device's memory limit beside `reserve_bytes` (KV pool, activations, workspace)."""
+    from jphoton.models.llama import param_shapes
+
+    def nbytes(c):
+        return 2 * sum(int(np.prod(s)) for s in jax.tree_util.tree_leaves(
+            param_shapes(c), is_leaf=lambda t: isinstance(t, tuple)))
+
+    one, two = nbytes(cfg.replace(num_layers=1)), nbytes(cfg.replace(num_layers=2))
+    per_layer, rest = two - one, 2 * one - two
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return max(1, min(cfg.num_layers, int((limit - reserve_bytes - rest) // per_layer)))
+
+
+def e2e_bench(args) -> dict:
+    from benchmarks.common import timed_run
+    from jphoton import LLM, SamplingParams
+    from jphoton.models.protocol import llama_family
+    from jphoton.weights.random_init import parse_random_spec, random_params
+
+    info = device_info()
+    cfg = parse_random_spec("random:qwen3-30b-a3b")
+    batches = args.batch or ((1, 2) if args.smoke else (1, 8, 32))
+    prompt_len, new_tokens = (8, 4) if args.smoke else (args.prompt_len, args.new_tokens)
+    if args.smoke:
+        cfg = cfg.replace(num_layers=2, vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                          num_experts=16, num_experts_per_tok=4, moe_intermediate_size=40)
+    else:
+        layers = args.layers or fit_layers(cfg, reserve_bytes=args.reserve_gib * 2**30)
+        cfg = cfg.replace(num_layers=layers, name=f"random:qwen3-30b-a3b:layers={layers}")
+    t0 = time.perf_counter()
+    params = random_params(cfg, jnp.float32 if args.smoke else jnp.bfloat16)
+    jax.block_until_ready(params)
+    wbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(params))
+    print(f"{info}\n{cfg.name or 'tiny'}: {cfg.num_layers} layers, {wbytes / 2**30:.1f} GiB of weights "
+          f"(built in {time.perf_counter() - t0:.1f}s), unroll_layers={args.unroll}", flush=True)
+    ctx = prompt_len + new_tokens
+    page = 16
+    max_b = max(batches)
+    rows = []
+    for backend in args.backends:
+        t0 = time.perf_counter()
+        llm = LLM(llama_family(cfg, params, name=cfg.name, unroll_layers=args.unroll, moe_backend=backend),
+                  max_model_len=ctx, page_size=page, num_kv_pages=max_b * -(-ctx // page) + 8, max_num_seqs=max_b,
+                  decode_buckets=tuple(sorted(set(batches))), max_num_batched_tokens=max(8, max_b) * prompt_len,
+                  prefill_buckets=((min(8, max_b), prompt_len),), progress=not args.smoke, pipeline_depth=args.depth)
+        startup = time.perf_counter() - t0
+        print(f"{backend}: start-up (compile all buckets) {startup:.1f}s", flush=True)
+        rng = np.random.default_rng(0)
+        for b in batches:
+            prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(b)]
+            sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+            timed_run(llm, prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            r = timed_run(llm, prompts, sp)
+            row = dict(backend=backend, batch=b, layers=cfg.num_layers, decode_ms=r.decode_ms_median,
+                       decode_ms_mean=r.decode_ms_mean, decode_tok_s=b / (r.decode_ms_median / 1e3),
+                       e2e_tok_s=r.tok_s, ttft_ms=r.ttft_ms_median, startup_s=startup,
+                       compiles_during_run=r.compiles_during_run)
+            rows.append(row)
+            print(f"{backend:15s} B={b:3d}: decode {r.decode_ms_median:8.3f} ms/step, {row['decode_tok_s']:9.1f} tok/s "
+                  f"decode, {r.tok_s:9.1f} tok/s end to end, compiles during run {r.compiles_during_run}", flush=True)
+        del llm
+        gc.collect()
+    return {"info": info, "args": vars(args), "config": cfg.to_json(), "weight_bytes": wbytes, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("layer", "e2e"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
+    ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--batch", type=int, nargs="+", default=None)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--paths", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--calls", type=int, default=16, help="layer: calls per timed jit (each with its own routing)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="layer: also sweep the warp kernels' tile configs")
+    ap.add_argument("--backends", nargs="+", default=["warp_decode", "expert_centric"], choices=list(moe.MOE_BACKENDS))
+    ap.add_argument("--layers", type=int, default=0, help="e2e: decoder layers (0 = as many as fit)")
+    ap.add_argument("--reserve-gib", type=float, default=8.0, help="e2e: memory kept free beside the weights")
+    ap.add_argument("--unroll", action="store_true", help="e2e: unroll the layer loop (slower compiles)")
+    ap.add_argument("--depth", type=int, default=2, choices=(1, 2), help="e2e: pipeline depth")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("jphoton").setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    result = layer_bench(args) if args.mode == "layer" else e2e_bench(args)
+    result["wall_s"] = time.perf_counter() - t0
+    print(f"done in {result['wall_s']:.0f}s", flush=True)
+    if args.out:
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
