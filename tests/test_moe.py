@@ -99,6 +99,16 @@ def test_fused_expert_tensors_load_the_same(tmp_path, tiny_moe):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_convert_to_a_store_round_trips(tmp_path, tiny_moe):
+    from jphoton.cli import main
+
+    assert main(["convert", str(MOE_DIR), str(tmp_path / "store")]) == 0
+    m = load_model(tmp_path / "store", "float32")
+    assert m.config == tiny_moe.config.replace(name=m.config.name)
+    for a, b in zip(jax.tree_util.tree_leaves(m.params), jax.tree_util.tree_leaves(tiny_moe.params), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_scanned_and_unrolled_layers_agree():
     """With every layer MoE the layer loop is a lax.scan indexing the expert stacks with a traced layer number."""
     cfg = parse_random_spec("random:qwen3-30b-a3b:layers=2:vocab=128").replace(
