@@ -151,6 +151,9 @@ def layer_bench(args) -> dict:
             rows.append(row)
             if args.sweep:
                 sweeps.append(sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=args.smoke))
+            if args.out:  # after every row: a section cut off by its time box still leaves its numbers
+                write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
+                                      "sweeps": sweeps, "partial": True})
     return {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows, "sweeps": sweeps}
 
 
@@ -183,13 +186,15 @@ def _finish_row(row: dict) -> None:
 
 
 GATE_UP_TILES = ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256))  # (block_f, block_k)
-DOWN_TILES = ((4, 256), (8, 256), (16, 256), (8, 512), (16, 512), (32, 128))  # (block_d, block_fd)
+DOWN_TILES = ((4, 256), (8, 256), (16, 256), (8, 512), (16, 128))  # (block_d, block_fd)
 
 
 def sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=False) -> dict:
     """Each kernel alone over tile sizes, warps, stages and slot modes; then the best pair together."""
     n = 2 if small else None
-    warps, stages = ((4,), (3,)) if small else ((4, 8), (3, 4))
+    warps = (4,) if small else (4, 8)
+    loops = ((False, 3),) if small else ((False, 3), (False, 4), (True, 3))  # (unrolled, pipeline stages)
+    slot_modes = ("pairs", "experts") if E // 4 <= B * K <= E else ("pairs" if B * K < E // 2 else "experts",)
     (g, u, d) = weights[0]
     g4, u4, d4 = g[None], u[None], d[None]
     layer = jnp.zeros((1,), jnp.int32)
@@ -198,14 +203,13 @@ def sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=False) -> dic
     x, ids, w = routes[0]
     base = wd.default_config(B, E, K, D, F)
     h = wd.gate_up(x, ids, wd._slots(ids, E, base.slots), g4, u4, layer, base, interp)
-    for (bf, bk), nw, ns, slots in itertools.product(GATE_UP_TILES[:n], warps, stages, ("pairs", "experts")):
-        if slots == "pairs" and B * K > E:
-            continue
-        cfg = wd.WarpDecodeConfig(block_f=bf, block_k=bk, warps_gate_up=nw, stages_gate_up=ns, slots=slots)
+    for (bf, bk), nw, (unroll, ns), slots in itertools.product(GATE_UP_TILES[:n], warps, loops, slot_modes):
+        cfg = wd.WarpDecodeConfig(block_f=bf, block_k=bk, warps_gate_up=nw, stages_gate_up=ns, slots=slots,
+                                  unroll_gate_up=unroll)
         fn = jax.jit(lambda x, ids, cfg=cfg: wd.gate_up(x, ids, wd._slots(ids, E, cfg.slots), g4, u4, layer, cfg, interp))
         results["gate_up"].append(_sweep_point(fn, (x, ids), cfg, reps))
-    for (bd, bfd), nw, ns in itertools.product(DOWN_TILES[:n], warps, stages):
-        cfg = wd.WarpDecodeConfig(block_d=bd, block_fd=bfd, warps_down=nw, stages_down=ns)
+    for (bd, bfd), nw, (unroll, ns) in itertools.product(DOWN_TILES[:n], warps, loops):
+        cfg = wd.WarpDecodeConfig(block_d=bd, block_fd=bfd, warps_down=nw, stages_down=ns, unroll_down=unroll)
         fn = jax.jit(lambda h, ids, w, cfg=cfg: wd.down(h, ids, w, d4, layer, jnp.bfloat16, cfg, interp))
         results["down"].append(_sweep_point(fn, (h, ids, w), cfg, reps))
     best = {}
@@ -217,7 +221,7 @@ def sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=False) -> dic
                   f"({len(ok)}/{len(results[kind])} configs compiled)", flush=True)
     if len(best) == 2:
         c = {**best["gate_up"]["config"], **{k: v for k, v in best["down"]["config"].items()
-                                                if k in ("block_d", "block_fd", "warps_down", "stages_down")}}
+                                                if k in ("block_d", "block_fd", "warps_down", "stages_down", "unroll_down")}}
         cfg = wd.WarpDecodeConfig(**c)
         sec = time_impl(warp_impl(cfg), weights, routes, reps)
         results["best"] = dict(config=c, us=sec * 1e6, fraction_of_read_bw=touched / sec / bw)

@@ -73,6 +73,10 @@ class WarpDecodeConfig:
     warps_down: int = 4
     stages_down: int = 3
     slots: str = "auto"  # "pairs" | "experts" | "auto"
+    # Unroll a kernel's loop in Python (straight-line code: every tile's load can be issued before the first is used,
+    # memory-level parallelism without relying on the software pipeliner, which targets loads that feed dots).
+    unroll_gate_up: bool = False
+    unroll_down: bool = False
 
     def __post_init__(self):
         for name in ("block_f", "block_k", "block_d", "block_fd"):
@@ -88,9 +92,9 @@ def default_config(tokens: int, num_experts: int, top_k: int, hidden: int, inter
     bytes in flight that hide HBM latency); benchmarks/moe_decode.py --sweep measures alternatives on the GPU."""
     del num_experts, top_k, hidden, inter
     if tokens == 1:
-        return WarpDecodeConfig(block_f=16, block_k=512, block_d=4, block_fd=256)
+        return WarpDecodeConfig(block_f=16, block_k=512, block_d=4, block_fd=256, unroll_gate_up=True, unroll_down=True)
     if tokens <= 8:
-        return WarpDecodeConfig(block_f=32, block_k=256, block_d=8, block_fd=256)
+        return WarpDecodeConfig(block_f=32, block_k=256, block_d=8, block_fd=256, unroll_down=True)
     return WarpDecodeConfig()
 
 
@@ -114,6 +118,15 @@ def _log_path(interpret: bool, what: str) -> None:
         log.info("warp-decode MoE %s: %s", what, "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
 
 
+def _loop(n: int, body, carry, unroll: bool):
+    """fori_loop(0, n, body, carry), or the same loop unrolled in Python."""
+    if not unroll:
+        return jax.lax.fori_loop(0, n, body, carry)
+    for i in range(n):
+        carry = body(jnp.int32(i), carry)
+    return carry
+
+
 def _compiler_params(warps: int, stages: int):
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
@@ -122,7 +135,8 @@ def _compiler_params(warps: int, stages: int):
 # gate_up
 
 
-def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK):
+def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK,
+                    unroll):
     fb, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     e = slots_ref[s]
@@ -159,7 +173,7 @@ def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref,
             return acc_g, acc_u
 
         zeros = jnp.zeros((M, BF), jnp.float32)
-        acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(D, BK), body, (zeros, zeros))
+        acc_g, acc_u = _loop(pl.cdiv(D, BK), body, (zeros, zeros), unroll)
         h = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u
         rows = tt * K + k_of  # pair index of (token, e); masked rows never write
         plgpu.store(h_ref.at[rows[:, None], fcols[None, :]], h.astype(h_ref.dtype), mask=hit[:, None] & fmask[None, :])
@@ -173,14 +187,15 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
     M = 1 if T == 1 else max(16, _pow2(T))
     BF = min(cfg.block_f, max(16, _pow2(F)))
     BK = min(cfg.block_k, max(16, _pow2(D)))
-    kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK)
+    kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK,
+                               unroll=cfg.unroll_gate_up)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(F, BF), slots.shape[0]),
         out_shape=jax.ShapeDtypeStruct((T * K, F), jnp.float32),
         interpret=interpret,
         compiler_params=_compiler_params(cfg.warps_gate_up, cfg.stages_gate_up),
-        name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}",
+        name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}{'_unrolled' if cfg.unroll_gate_up else ''}",
     )(layer, slots, topk_ids, x, w_gate, w_up)
 
 
@@ -188,7 +203,7 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
 # down
 
 
-def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D, F, BD, BFD):
+def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D, F, BD, BFD, unroll):
     t, db = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     d0 = db * BD
@@ -211,7 +226,7 @@ def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D,
                         other=0.0)  # [BD, BFD] bf16
         return acc + jnp.sum(wd.astype(jnp.float32) * (w * hrow)[None, :], axis=1)
 
-    acc = jax.lax.fori_loop(0, K * nf, body, jnp.zeros((BD,), jnp.float32))
+    acc = _loop(K * nf, body, jnp.zeros((BD,), jnp.float32), unroll)
     plgpu.store(y_ref.at[t, pl.ds(d0, BD)], acc.astype(y_ref.dtype), mask=dmask)
 
 
@@ -221,14 +236,14 @@ def down(h, topk_ids, topk_weights, w_down, layer, out_dtype, cfg: WarpDecodeCon
     _, _, D, F = w_down.shape
     BD = min(cfg.block_d, _pow2(D))
     BFD = min(cfg.block_fd, _pow2(F))
-    kernel = functools.partial(_down_kernel, K=K, KK=_pow2(K), D=D, F=F, BD=BD, BFD=BFD)
+    kernel = functools.partial(_down_kernel, K=K, KK=_pow2(K), D=D, F=F, BD=BD, BFD=BFD, unroll=cfg.unroll_down)
     return pl.pallas_call(
         kernel,
         grid=(T, pl.cdiv(D, BD)),
         out_shape=jax.ShapeDtypeStruct((T, D), out_dtype),
         interpret=interpret,
         compiler_params=_compiler_params(cfg.warps_down, cfg.stages_down),
-        name=f"moe_warp_down_BD{BD}_BF{BFD}",
+        name=f"moe_warp_down_BD{BD}_BF{BFD}{'_unrolled' if cfg.unroll_down else ''}",
     )(layer, topk_ids, topk_weights, h, w_down)
 
 

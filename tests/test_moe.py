@@ -3,6 +3,7 @@ reference on random inputs (Pallas interpret mode on the CPU: the same kernel co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -16,7 +17,7 @@ from jphoton.config import ModelConfig
 from jphoton.models import llama, moe
 from jphoton.weights import load_model
 from jphoton.weights.random_init import parse_random_spec, random_params
-from pallas_kernels.moe_warp_decode import WarpDecodeConfig, moe_reference, moe_warp_decode
+from pallas_kernels.moe_warp_decode import default_config, moe_reference, moe_warp_decode
 
 from conftest import FIXTURES, make_llm, tiny_reference
 
@@ -164,14 +165,18 @@ def test_warp_decode_matches_the_float32_reference(case):
     layers, layer = 3, 1
     x, ids, w, wg, wu, wd = make_problem(T, E, K, D, F, layers=layers, pool=pool, seed=T)
     ref = np.asarray(moe_reference(x, ids, w, wg, wu, wd, layer))
+    # the per-size default tiles, some loops unrolled in Python, others fori loops
+    cfg = default_config(T, E, K, D, F)
+    cfg = dataclasses.replace(cfg, slots=slots, unroll_gate_up=cfg.unroll_gate_up or T in (7, 64),
+                              unroll_down=cfg.unroll_down or T in (16, 33))
     # the layer index traced (as in a scanned layer loop), and bf16 in and out
-    run = jax.jit(lambda *a: moe_warp_decode(*a, config=WarpDecodeConfig(slots=slots)))
+    run = jax.jit(lambda *a: moe_warp_decode(*a, config=cfg))
     out = run(x, ids, w, wg, wu, wd, jnp.int32(layer))
     assert out.dtype == jnp.bfloat16 and out.shape == (T, D)
     assert rel_err(out, ref) < 1e-2  # the bf16 output rounding is ~4e-3 of the largest value
     if T in (1, 7, 33):  # float32 everything: only summation order differs
         f32 = [a if a is ids else a.astype(jnp.float32) for a in (x, ids, w, wg, wu, wd)]
-        out32 = moe_warp_decode(*f32, layer=layer, config=WarpDecodeConfig(slots=slots))
+        out32 = moe_warp_decode(*f32, layer=layer, config=cfg)
         assert rel_err(out32, np.asarray(moe_reference(*f32, layer))) < 2e-6
 
 
