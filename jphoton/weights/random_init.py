@@ -77,24 +77,26 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-_SLICED_ABOVE = 2**30  # float32 bytes of one leaf's temporaries above which it is filled one leading index at a time
+_SLICED_ABOVE = 2**30  # float32 bytes of a leaf above which it is filled in blocks of leading indices
 
 
 def _random_leaf(key, shape, dtype, kind):
-    """Large leaves (stacked experts: 19 GB each for Qwen3-30B-A3B) are written slice by slice into one donated
-    buffer, so building them never holds a float32 copy of the whole leaf."""
-    if kind != "normal" or len(shape) < 2 or 4 * math.prod(shape) <= _SLICED_ABOVE:
+    """Large leaves (stacked experts: 19 GB each for Qwen3-30B-A3B) are written a block of leading indices at a time
+    into one donated buffer, so building them never holds a float32 copy of the whole leaf."""
+    row = 4 * math.prod(shape[1:])
+    if kind != "normal" or len(shape) < 2 or row * shape[0] <= _SLICED_ABOVE:
         return _make_leaf(key, shape, dtype, kind)
     out = _make_leaf(key, shape, dtype, "zeros")
-    for i, k in enumerate(jax.random.split(key, shape[0])):
-        out = _set_slice(out, jnp.int32(i), k)
+    step = max(1, _SLICED_ABOVE // row)
+    for i, start in enumerate(range(0, shape[0], step)):
+        out = _set_rows(out, jnp.int32(start), jax.random.fold_in(key, i), min(step, shape[0] - start))
     return out
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_slice(out, i, key):
-    part = (0.02 * jax.random.normal(key, out.shape[1:], jnp.float32)).astype(out.dtype)
-    return jax.lax.dynamic_update_index_in_dim(out, part, i, 0)
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _set_rows(out, start, key, rows):
+    part = (0.02 * jax.random.normal(key, (rows, *out.shape[1:]), jnp.float32)).astype(out.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(out, part, start, 0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
