@@ -123,6 +123,18 @@ def test_scanned_and_unrolled_layers_agree():
         assert rel_err(a, b) < 1e-5
 
 
+def test_auto_runs_warp_decode_up_to_the_threshold(monkeypatch):
+    """The choice is made at trace time from the step's token count (a static shape: one choice per bucket)."""
+    calls = []
+    for name in ("warp_decode", "expert_centric"):
+        monkeypatch.setitem(moe._EXPERTS, name, lambda x, *a, name=name: calls.append(name) or x)
+    E, D = 4, 8
+    mp = {"router": jnp.zeros((1, D, E)), "w_gate": None, "w_up": None, "w_down": None}
+    for n in (1, moe.WARP_DECODE_MAX_TOKENS, moe.WARP_DECODE_MAX_TOKENS + 1):
+        jax.eval_shape(lambda x: moe.moe_ffn(x, mp, 0, 2, True, "auto"), jax.ShapeDtypeStruct((n, D), jnp.float32))
+    assert calls == ["warp_decode", "warp_decode", "expert_centric"]
+
+
 def test_bad_moe_backend_is_a_value_error():
     with pytest.raises(ValueError, match="moe_backend"):
         make_llm(str(MOE_DIR), warmup=False, moe_backend="fastest")
