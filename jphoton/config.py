@@ -160,7 +160,7 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-                o_bias=arch in ("llama", "mistral") and bool(hf.get("attention_bias", False)),
+                o_bias=arch in ("llama", "mistral", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False)),
                 qk_norm=arch in ("qwen3", "qwen3_moe"),
                 sliding_window=int(sliding) if sliding else None,
                 bos_token_id=hf.get("bos_token_id"),
