@@ -48,7 +48,8 @@ for section in "$@"; do
       run moe-sweep python3 benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b --batch 1 8 32 \
         --paths warp_decode --out "$OUT/moe-sweep.json" ;;
     # End to end: random:qwen3-30b-a3b with as many layers as fit beside the KV pool (JAX may take 95% of the GPU
-    # here), layers scanned (compiles stay short), one section per backend.
+    # here), layers scanned and only the shapes a run uses compiled (compiles stay short), one section per backend.
+    # (`--layers N --unroll` trades compile time for no per-layer loop overhead.)
     moe-e2e-warp)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run moe-e2e-warp python3 benchmarks/moe_decode.py e2e \
         --backends warp_decode --batch 1 8 32 --out "$OUT/moe-e2e-warp.json" ;;
