@@ -2,8 +2,8 @@
 
 The expert-centric way to run a MoE layer (sort (token, expert) pairs by expert, grouped GEMM, weighted combine) moves
 activations through gather/scatter/combine buffers and pads or launches per expert; at decode sizes (a few to a few
-dozen tokens) almost all of its time is that overhead, not the weight reads that bound the layer. Here every program
-owns *output rows* and streams exactly the weight rows that produce them:
+dozen tokens) its plain-JAX versions ran 4-25x above the time it takes to read the touched experts' weights once on an
+H100 (../shared/NOTES.md). Here every program owns *output rows* and streams exactly the weight rows that produce them:
 
   gate_up   program (f-block, slot): a slot is one routed expert e. It owns intermediate rows f0:f0+BF of e, streams
             those gate and up weight rows (bf16, contiguous along the hidden dim) in BK-wide chunks together with the
@@ -33,6 +33,8 @@ Why the Pallas Triton backend (`pl.pallas_call` + `jax.experimental.pallas.trito
     gather of token rows and per-row masks are awkward there, and the interpret-mode story on 0.10.2 goes through a
     different interpreter. The Triton backend is deprecated in 0.11 but works; a Mosaic GPU port is the fallback if it
     is removed (the data layout and grid above carry over: one warpgroup per program).
+  * Whether this reaches the issue's targets on the H100 is for benchmarks/moe_decode.py to say (benchmarks/RESULTS.md);
+    the tile configuration per batch size (`default_config`) is a first guess until its `--sweep` has run there.
   * Interpret mode cannot mix array indices with slices in one load/store, so gathers/scatters here use full array
     indices (h rows) and everything else uses scalar + `pl.ds` indexing (which is also what Triton analyses best).
 
