@@ -42,8 +42,12 @@ for section in "$@"; do
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out "$OUT" ;;
     # issue 6: MoE decode. Per layer, Qwen3-30B-A3B and moondream3 shapes, B = 1..64: warp decode vs expert-centric vs
     # dense gather, touched-expert bandwidth vs the read bandwidth measured in the same run, error vs float32.
-    moe-layer)
-      run moe-layer python3 benchmarks/moe_decode.py layer --out "$OUT/moe-layer.json" ;;
+    # One section per shape (each compiles 4 paths x 7 batch sizes on a fresh machine).
+    moe-layer-qwen3)
+      run moe-layer-qwen3 python3 benchmarks/moe_decode.py layer --shapes qwen3-30b-a3b --out "$OUT/moe-layer-qwen3.json" ;;
+    moe-layer-moondream3)
+      run moe-layer-moondream3 python3 benchmarks/moe_decode.py layer --shapes moondream3 \
+        --out "$OUT/moe-layer-moondream3.json" ;;
     moe-sweep)  # tile configs of the two warp kernels (each kernel alone), Qwen3-30B-A3B shape
       run moe-sweep python3 benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b --batch 1 8 32 \
         --paths warp_decode --out "$OUT/moe-sweep.json" ;;

@@ -97,9 +97,8 @@ def time_impl(impl, weights, routes, reps: int) -> float:
     return (time.perf_counter() - t0) / (reps * len(routes))
 
 
-def errors(impl, weights, route, ref_weights) -> dict:
+def errors(impl, weights, route, ref) -> dict:
     x, ids, w = route
-    ref = np.asarray(wd.moe_reference(x, ids, w, *ref_weights[0]))
     got = np.asarray(jax.jit(impl)(x, ids, w, *weights[0]), np.float32)
     d = got - ref
     return {"max_rel": float(np.abs(d).max() / np.abs(ref).max()),
@@ -161,6 +160,7 @@ def layer_bench(args) -> dict:
             touched = float(np.mean(uniq)) * expert_bytes(D, F)
             route_fn = jax.jit(lambda x, r, K=K: moe.route(x, r, K, True))
             route_s = _time_simple(route_fn, routes[0][0], router, reps=20 if not args.smoke else 1)
+            ref = np.asarray(jax.jit(wd.moe_reference)(*routes[0], *weights[0]))
             row = dict(shape=name, D=D, F=F, E=E, K=K, B=B, unique_experts=float(np.mean(uniq)),
                        touched_bytes=touched, floor_us=touched / bw * 1e6, router_us=route_s * 1e6, paths={})
             for path in args.paths:
@@ -170,7 +170,7 @@ def layer_bench(args) -> dict:
                     ws = weights if layout == "out_in" else transposed(weights)
                     sec = time_impl(impl, ws, routes, reps)
                     entry = dict(us=sec * 1e6, bandwidth_TBps=touched / sec / 1e12, fraction_of_read_bw=touched / sec / bw,
-                                 **errors(impl, ws, routes[0], weights))
+                                 **errors(impl, ws, routes[0], ref))
                 except Exception as e:  # one failing path must not lose the others' numbers
                     entry = dict(error=f"{type(e).__name__}: {e}"[:2000])
                     traceback.print_exc()
@@ -369,7 +369,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=None)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--paths", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    ap.add_argument("--calls", type=int, default=16, help="layer: calls per timed jit (each with its own routing)")
+    ap.add_argument("--calls", type=int, default=8, help="layer: calls per timed jit (each with its own routing)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="layer: also sweep the warp kernels' tile configs")
     ap.add_argument("--backends", nargs="+", default=["warp_decode", "expert_centric"], choices=list(moe.MOE_BACKENDS))
