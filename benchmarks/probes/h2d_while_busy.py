@@ -40,6 +40,7 @@ def timed(fn):
 try:
     pinned = dev.memory("pinned_host")
     pinned_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device_sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
 except Exception as e:  # noqa: BLE001
     print("no pinned_host memory:", e)
     pinned_sharding = None
@@ -59,7 +60,7 @@ for kib in (4, 16, 48, 64, 65, 128, 256, 1024):
         if pinned_sharding is not None:
             def staged(x=x):
                 h = jax.device_put(x, pinned_sharding)
-                return consume(jax.device_put(h, dev))
+                return consume(jax.device_put(h, device_sharding))
             staged()
             c = [timed(staged) for _ in range(5)]
     print(f"{kib:5d} KiB: jit(numpy) {np.median(a):.3f} ms, device_put {np.median(b):.3f} ms, "
