@@ -168,10 +168,11 @@ def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref,
                 xf = x.astype(jnp.float32)
                 acc_g += jnp.sum(wg.astype(jnp.float32) * xf, axis=1)[None, :]
                 acc_u += jnp.sum(wu.astype(jnp.float32) * xf, axis=1)[None, :]
-            else:  # tensor cores: bf16 operands, fp32 accumulation
+            else:  # tensor cores: bf16 operands, fp32 accumulation (HIGHEST: float32 operands stay IEEE, not TF32)
                 dims = (((1,), (1,)), ((), ()))
-                acc_g += jax.lax.dot_general(x, wg, dims, preferred_element_type=jnp.float32)
-                acc_u += jax.lax.dot_general(x, wu, dims, preferred_element_type=jnp.float32)
+                hi = jax.lax.Precision.HIGHEST
+                acc_g += jax.lax.dot_general(x, wg, dims, precision=hi, preferred_element_type=jnp.float32)
+                acc_u += jax.lax.dot_general(x, wu, dims, precision=hi, preferred_element_type=jnp.float32)
             return acc_g, acc_u
 
         zeros = jnp.zeros((M, BF), jnp.float32)
@@ -188,7 +189,8 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
     _, _, F, _ = w_gate.shape
     M = 1 if T == 1 else max(16, _pow2(T))
     BF = min(cfg.block_f, max(16, _pow2(F)))
-    BK = min(cfg.block_k, max(16, _pow2(D)))
+    # Tiles are sized for 2-byte weights; 4-byte ones get half the hidden-dim chunk (same bytes in shared memory).
+    BK = min(max(16, cfg.block_k * 2 // w_gate.dtype.itemsize), max(16, _pow2(D)))
     kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK,
                                unroll=cfg.unroll_gate_up)
     return pl.pallas_call(
