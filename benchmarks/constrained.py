@@ -25,7 +25,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 import jax
 import numpy as np
@@ -33,7 +32,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import device_info, write_json  # noqa: E402
-from benchmarks.pipeline import PROMPT, closed_loop  # noqa: E402
+from benchmarks.pipeline import PROMPT, closed_loop, device_step_ms  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
 
 SCHEMA = {
@@ -53,27 +52,16 @@ SCHEMA = {
 MAX_TOKENS = 160
 
 
-def device_ms(llm, rows: int, masked: bool, reps: int = 30) -> float:
+def device_ms(llm, rows: int, masked: bool) -> float:
     """The decode step of `rows` rows (and, if masked, the grammar sampler) back to back, no host work between."""
     runner = llm.engine.runner
-    shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
-                 if s.decode_rows == rows and s.prefill_rows == 0)
-    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
-    variant = (False, 0, True)
     sampler_rows = jax.device_put(np.full((runner.static.max_rows, 7 + runner.mask_words), -1, np.int32), runner.device)
-    for n in (3, reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            slot = runner.slots[runner._next_slot]
-            slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
-                                                               slot.tokens, slot.logits, packed)
-            if masked:
-                slot.tokens, slot.logprobs, slot.top_ids = runner._resample(
-                    *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_rows)
-            runner._prev_tokens = slot.tokens
-            runner._next_slot ^= 1
-        jax.block_until_ready(runner.kv)
-    return 1e3 * (time.perf_counter() - t0) / reps
+
+    def masked_sampler(slot):
+        slot.tokens, slot.logprobs, slot.top_ids = runner._resample(
+            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_rows)
+
+    return device_step_ms(llm, rows, then=masked_sampler if masked else None)
 
 
 def summarize(run: dict, timeline: list[dict]) -> dict:

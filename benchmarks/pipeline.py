@@ -84,8 +84,9 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, make_par
                 steps=len(recs), kind_periods=kind_periods, timeline=llm.engine.telemetry.timeline())
 
 
-def device_step_ms(llm, rows: int, reps: int = 30) -> float:
-    """The decode step of `rows` rows dispatched back to back (no host work between): forward + fused sampling."""
+def device_step_ms(llm, rows: int, reps: int = 30, then=None) -> float:
+    """The decode step of `rows` rows dispatched back to back (no host work between): forward + fused sampling, and
+    then(slot) after each step if given (e.g. a second sampler)."""
     runner = llm.engine.runner
     shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
                  if s.decode_rows == rows and s.prefill_rows == 0)
@@ -96,6 +97,8 @@ def device_step_ms(llm, rows: int, reps: int = 30) -> float:
             slot = runner.slots[runner._next_slot]
             slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
                                                                slot.tokens, slot.logits, packed)
+            if then is not None:
+                then(slot)
             runner._prev_tokens = slot.tokens
             runner._next_slot ^= 1
         jax.block_until_ready(runner.kv)
