@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import pathlib
 import re
 import threading
@@ -269,6 +270,23 @@ def test_bad_inputs_are_invalid_argument_and_the_server_keeps_serving(srv):
     # Still serving, and nothing was queued.
     tokens, _, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=GREEDY), timeout=60))
     assert tokens == srv.refs[0].token_ids
+    srv.wait_idle()
+
+
+def test_constrained_requests_over_grpc(srv):
+    S = pb.SamplingParams
+    cases = [
+        (S(max_tokens=40, temperature=0, regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+        (S(max_tokens=40, temperature=0, choice=pb.Choice(options=["yes", "no"])), lambda t: t in ("yes", "no")),
+        (S(max_tokens=60, temperature=0.7, seed=3, json_schema=json.dumps(
+            {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["n"], "additionalProperties": False})),
+         lambda t: set(json.loads(t)) == {"n"} and 0 <= json.loads(t)["n"] <= 9),
+    ]
+    for sampling, ok in cases:
+        _, text, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=CHAT, chat=True, sampling=sampling),
+                                                   timeout=60))
+        assert msgs[-1].finish_reason == "stop" and ok(text), (sampling, text)
     srv.wait_idle()
 
 
