@@ -42,6 +42,8 @@ for section in "$@"; do
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out "$OUT" ;;
     # issue 6: MoE decode. Per layer, Qwen3-30B-A3B and moondream3 shapes, B = 1..64: warp decode vs expert-centric vs
     # dense gather, touched-expert bandwidth vs the read bandwidth measured in the same run, error vs float32.
+    moe-check)  # correctness first: HF fixture through the engine per backend, kernels at Qwen3 shape vs float32
+      run moe-check python3 benchmarks/moe_decode.py check --out "$OUT/moe-check.json" ;;
     # One section per shape (each compiles 4 paths x 7 batch sizes on a fresh machine).
     moe-layer-qwen3)
       run moe-layer-qwen3 python3 benchmarks/moe_decode.py layer --shapes qwen3-30b-a3b --out "$OUT/moe-layer-qwen3.json" ;;

@@ -4,6 +4,10 @@
     python benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b     # tile configs of the two warp kernels
     python benchmarks/moe_decode.py e2e --out /tmp/moe_e2e.json              # random:qwen3-30b-a3b through the engine
     python benchmarks/moe_decode.py layer --smoke; python benchmarks/moe_decode.py e2e --smoke   # tiny, on the CPU
+    python benchmarks/moe_decode.py check                                    # correctness on this device, ~1 min
+
+check: the tiny HF Qwen3-MoE fixture through the engine with each backend (float32, greedy tokens must equal HF's), and
+the warp kernels at Qwen3-30B-A3B shape against the float32 reference (stacked weights, traced layer index).
 
 layer: one MoE layer's routed experts (routing is given: the same for every path; the router's own time is reported
 once) for B tokens, bf16 weights and activations. Paths: warp_decode (two Pallas kernels), expert_centric (sort +
@@ -361,9 +365,63 @@ def e2e_bench(args) -> dict:
     return {"info": info, "args": vars(args), "config": cfg.to_json(), "weight_bytes": wbytes, "rows": rows}
 
 
+def check(args) -> dict:
+    import pathlib
+
+    from jphoton import LLM, SamplingParams
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (no TF32) for the HF check
+    fixture = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny" / "qwen3_moe"
+    ref = np.load(fixture / "reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(4)]
+    want = [ref[f"tokens_{i}"].tolist() for i in range(4)]
+    out = {"info": device_info(), "engine": {}, "kernels": []}
+    ok = True
+    for backend in ("warp_decode", "expert_centric"):
+        llm = LLM(str(fixture), dtype="float32", moe_backend=backend, max_num_seqs=8, decode_buckets=(1, 8),
+                  prefill_buckets=((2, 64),), max_num_batched_tokens=128, warmup=False, progress=False)
+        got = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                 SamplingParams(max_tokens=len(want[0]), temperature=0, ignore_eos=True))]
+        same = got == want
+        ok &= same
+        out["engine"][backend] = same
+        print(f"HF fixture through the engine, {backend}: greedy tokens {'EQUAL' if same else 'DIFFER'} to HF's", flush=True)
+        del llm
+    jax.config.update("jax_default_matmul_precision", None)
+    s = SMOKE_SHAPES["tiny"] if args.smoke else SHAPES["qwen3-30b-a3b"]  # the real shape takes ~10 min on a CPU
+    D, F, E, K = s["D"], s["F"], s["E"], s["K"]
+    layers = make_layers(D, F, E, layers=2)
+    stacked = [jnp.stack([lw[i] for lw in layers]) for i in range(3)]
+    for B in args.batch or (1, 2, 8, 32, 64):
+        _, [(x, ids, w)] = make_routes(B, D, E, K, 1, seed=B)
+        refv = np.asarray(jax.jit(wd.moe_reference)(x, ids, w, *layers[1]))
+        row = {"B": B}
+        for name, fn in (("warp_decode", jax.jit(lambda x, i, w, g, u, d, layer: wd.moe_warp_decode(x, i, w, g, u, d,
+                                                                                                      layer))),
+                         ("expert_centric", jax.jit(lambda x, i, w, g, u, d, layer: moe.expert_centric(x, i, w, g, u, d,
+                                                                                                        layer)))):
+            try:
+                got = np.asarray(fn(x, ids, w, *stacked, jnp.int32(1)), np.float32)
+                d = got - refv
+                row[name] = {"max_rel": float(np.abs(d).max() / np.abs(refv).max()),
+                             "rms_rel": float(np.sqrt(np.mean(d ** 2) / np.mean(refv ** 2)))}
+            except Exception as e:
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                traceback.print_exc()
+        good = "max_rel" in row["warp_decode"] and row["warp_decode"]["max_rel"] < 1e-2
+        ok &= good
+        out["kernels"].append(row)
+        print(f"kernels B={B:3d} vs float32: " + " | ".join(
+            f"{k} " + (f"max {v['max_rel']:.2e} rms {v['rms_rel']:.2e}" if "max_rel" in v else "FAILED")
+            for k, v in row.items() if k != "B"), flush=True)
+    out["ok"] = bool(ok)
+    print("check:", "PASS" if ok else "FAIL", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("layer", "e2e"))
+    ap.add_argument("mode", choices=("layer", "e2e", "check"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
     ap.add_argument("--out", default=None, help="JSON results file")
     ap.add_argument("--batch", type=int, nargs="+", default=None)
@@ -383,7 +441,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jphoton").setLevel(logging.INFO)
     t0 = time.perf_counter()
-    result = layer_bench(args) if args.mode == "layer" else e2e_bench(args)
+    result = {"layer": layer_bench, "e2e": e2e_bench, "check": check}[args.mode](args)
     result["wall_s"] = time.perf_counter() - t0
     print(f"done in {result['wall_s']:.0f}s", flush=True)
     if args.out:
