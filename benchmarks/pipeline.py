@@ -8,9 +8,13 @@ N closed-loop streams (a finished request is replaced at once by a new one), per
   host       median host time per step (plan + pack + dispatch + commit)
   idle       period - fwd+samp: what the device waits per step
   predicted  T_block / T_pipe x (1 - z) - 1 with z = 1 / (L * streams) (one wasted row-step per finished request),
-             from decode steps alone (Photon's form) and from all steps (decode, prefill, mixed: each kind's median
-             period weighted by its step count)
+             from the median decode-step periods (Photon's form), and from the mean period over *all* steps
+             (decode, prefill, mixed: what the workload's steps cost on average, so the prefill share counts)
   observed   tokens/s pipelined over tokens/s blocking - 1 over the whole run
+
+Prefill runs one request per step (bucket 1 x 64 tokens beside the decode rows), as a replacement request arrives in a
+closed loop: a wider prefill bucket would pad every mixed step to its full size and make mixed steps several decode
+steps long, and the run would measure prefill padding rather than the decode loop.
 
     python benchmarks/pipeline.py --models random:smollm2-135m random:llama3.2-1b --streams 1 8 32 --out DIR
 """
@@ -77,11 +81,15 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, make_par
     for a, b in zip(recs, recs[1:], strict=False):
         by_kind.setdefault(a.kind, []).append(b.t_launch - a.t_launch)
     kind_periods = {k: (len(v), statistics.median(v)) for k, v in by_kind.items()}
+    # Mean launch-to-launch period over every step: in a pipelined run a long step's device time shows up in the
+    # periods after it, so only the mean (not a per-kind median) charges each step kind what it really costs.
+    mean_period = (recs[-1].t_launch - recs[0].t_launch) / (len(recs) - 1)
     tokens = sum(len(s.output_ids) for s in done)
     return dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall, mean_len=tokens / len(done),
                 lengths=[len(s.output_ids) for s in sorted(done, key=lambda s: s.request_id)], done=done,
                 period_ms=1e3 * statistics.median(periods), host_ms=1e3 * statistics.median(host),
-                steps=len(recs), kind_periods=kind_periods, timeline=llm.engine.telemetry.timeline())
+                steps=len(recs), kind_periods=kind_periods, mean_period_ms=1e3 * mean_period,
+                timeline=llm.engine.telemetry.timeline())
 
 
 def device_step_ms(llm, rows: int, reps: int = 30, then=None) -> float:
@@ -153,7 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["random:smollm2-135m", "random:llama3.2-1b"])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--requests-per-stream", type=int, default=6)
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args()
@@ -164,8 +172,8 @@ def main() -> None:
         results = {}
         for depth in (1, 2):
             llm = LLM(model, max_model_len=256, pipeline_depth=depth, max_num_seqs=max(args.streams),
-                      decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
-                      prefill_buckets=((8, PROMPT),), num_kv_pages=max(args.streams) * 16 + 8)
+                      decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=max(args.streams) + PROMPT,
+                      prefill_buckets=((1, PROMPT),), num_kv_pages=max(args.streams) * 16 + 8)
             for n in args.streams:
                 closed_loop(llm, n, 1, seed=99)  # warm every path once
                 results[depth, n] = closed_loop(llm, n, args.requests_per_stream, seed=n)
@@ -180,13 +188,12 @@ def main() -> None:
             L = (b["mean_len"] + p["mean_len"]) / 2
             z = 1 / (L * n)
             # Photon's model uses the decode step alone; runs of ~100 tokens per request also spend steps on prefill
-            # and mixed prefill+decode, so the all-steps form weights each kind's median period ratio by how many
-            # steps of that kind the pipelined run took.
+            # and mixed prefill+decode, which the all-steps form charges through the mean period of each run.
             kinds = p["kind_periods"]
-            t_block_all = sum(cnt * b["kind_periods"].get(k, (0, med))[1] for k, (cnt, med) in kinds.items())
-            t_pipe_all = sum(cnt * med for cnt, med in kinds.values())
             row = dict(model=model, streams=n, blocking_ms=b["period_ms"], pipelined_ms=p["period_ms"],
-                       predicted_all_steps=t_block_all / t_pipe_all * (1 - z) - 1,
+                       mean_period_blocking_ms=b["mean_period_ms"], mean_period_pipelined_ms=p["mean_period_ms"],
+                       steps_blocking=b["steps"], steps_pipelined=p["steps"],
+                       predicted_all_steps=b["mean_period_ms"] / p["mean_period_ms"] * (1 - z) - 1,
                        step_kinds={k: dict(steps=cnt, blocking_ms=1e3 * b["kind_periods"].get(k, (0, 0))[1],
                                            pipelined_ms=1e3 * med) for k, (cnt, med) in kinds.items()},
                        fwd_plus_sampling_ms=fwd, sampling_ms=samp, host_ms=p["host_ms"],
