@@ -50,9 +50,13 @@ for section in "$@"; do
     moe-layer-moondream3)
       run moe-layer-moondream3 python3 benchmarks/moe_decode.py layer --shapes moondream3 \
         --out "$OUT/moe-layer-moondream3.json" ;;
-    moe-sweep)  # tile configs of the two warp kernels (each kernel alone), Qwen3-30B-A3B shape
-      run moe-sweep python3 benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b --batch 1 8 32 \
-        --paths warp_decode --out "$OUT/moe-sweep.json" ;;
+    moe-sweep-b1|moe-sweep-b8|moe-sweep-b32)  # tile configs of the two warp kernels, Qwen3-30B-A3B shape, one batch size
+      # per section (one B of the sweep takes most of a time box on a fresh machine)
+      run "$section" python3 benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b --batch "${section#moe-sweep-b}" \
+        --paths warp_decode --out "$OUT/$section.json" ;;
+    moe-threshold)  # where "auto" should switch from warp decode to expert-centric: both paths at prefill-ish sizes
+      run moe-threshold python3 benchmarks/moe_decode.py layer --shapes qwen3-30b-a3b moondream3 --batch 32 64 96 128 192 \
+        --paths warp_decode expert_centric --out "$OUT/moe-threshold.json" ;;
     # End to end: random:qwen3-30b-a3b with as many layers as fit beside the KV pool (JAX may take 95% of the GPU
     # here), layers scanned and only the shapes a run uses compiled (compiles stay short), one section per backend.
     # (`--layers N --unroll` trades compile time for no per-layer loop overhead.)

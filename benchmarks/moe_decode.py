@@ -12,10 +12,11 @@ the warp kernels at Qwen3-30B-A3B shape against the float32 reference (stacked w
 layer: one MoE layer's routed experts (routing is given: the same for every path; the router's own time is reported
 once) for B tokens, bf16 weights and activations. Paths: warp_decode (two Pallas kernels), expert_centric (sort +
 `ragged_dot_general` + combine), dense_gather (`w[ids]` + einsum). Each timing runs R calls inside one jitted function
-(dispatch amortised), each call with its own random routing and alternating between two layers' weights, so no call
-finds its experts in L2 from the previous one. Bandwidth = bytes of the experts the call actually touched / time,
-compared with the read bandwidth (`jnp.sum` over 8 GiB) measured in the same run. Error: relative to the float32
-reference (pallas_kernels/moe_warp_decode.moe_reference), max|Δ|/max|ref| and RMS.
+(dispatch amortised), each call with its own random routing, cycling through four layers' weights and chained (each
+call waits for the previous one), so no call finds its experts in L2 from an earlier one. Bandwidth = bytes of the
+experts the call actually touched / time, compared with the read bandwidth (`jnp.sum` over 8 GiB) measured in the
+same run. Error: relative to the float32 reference (pallas_kernels/moe_warp_decode.moe_reference), max|Δ|/max|ref|
+and RMS.
 
 e2e: random:qwen3-30b-a3b with as many layers as fit beside the KV pool (or --layers N), B requests decoding at once
 through the engine, per MoE backend: ms per decode step and tok/s.
@@ -85,11 +86,23 @@ def expert_bytes(D, F) -> int:
 
 
 def time_impl(impl, weights, routes, reps: int) -> float:
-    """Seconds per call: R = len(routes) calls in one jit, call r on layer r % len(weights)."""
+    """Seconds per call: R = len(routes) calls in one jit, call r on layer r % len(weights).
+
+    Each call's input depends on the previous call's output (an exact no-op: + 0 * y[0, 0]), so XLA runs them one
+    after another, as the layers of a model run; independent calls could be overlapped or interleaved by the
+    scheduler, and two calls on the same layer could then share expert rows through L2 (the suspected reason why
+    an earlier version of this benchmark, with two layers and independent calls, showed one path above the read
+    bandwidth)."""
     L = len(weights)
 
     def many(ws, rs):
-        return [impl(x, ids, w, *ws[r % L]) for r, (x, ids, w) in enumerate(rs)]
+        outs, y = [], None
+        for r, (x, ids, w) in enumerate(rs):
+            if y is not None:
+                x = x + (0 * y[0, 0]).astype(x.dtype)
+            y = impl(x, ids, w, *ws[r % L])
+            outs.append(y)
+        return outs
 
     f = jax.jit(many)
     jax.block_until_ready(f(weights, routes))
@@ -148,7 +161,7 @@ def layer_bench(args) -> dict:
     for name, s in shapes.items():
         D, F, E, K = s["D"], s["F"], s["E"], s["K"]
         t0 = time.perf_counter()
-        weights = make_layers(D, F, E, layers=2)
+        weights = make_layers(D, F, E, layers=2 if args.smoke else 4)
         cache = {}
 
         def transposed(ws, cache=cache):
