@@ -66,6 +66,8 @@ for section in "$@"; do
     moe-e2e-ec)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run moe-e2e-ec python3 benchmarks/moe_decode.py e2e \
         --backends expert_centric --batch 1 8 32 --out "$OUT/moe-e2e-ec.json" ;;
+    probe-h2d)  # host cost of a host->device argument while the GPU is busy, with controls (benchmarks/probes/)
+      run probe-h2d python3 benchmarks/probes/h2d_while_busy.py ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     *) echo "unknown section $section"; exit 2 ;;

@@ -1,9 +1,12 @@
 """Does handing a host array to a jitted call block the host while the GPU is busy? By argument size, and with the
-array staged through pinned host memory first. (Probe for the 1 ms seen in the masked sampler's dispatch.)
+array staged through pinned host memory first. (Probe for the 1 ms seen in the masked sampler's dispatch.) Controls:
+the same jitted call on an array already on the device (is it the dispatch, not the transfer?), a device_put started
+from a second thread (does the main thread still pay?), and device_put(donate=True) where this jax has it.
 
     python benchmarks/probes/h2d_while_busy.py
 """
 
+import concurrent.futures
 import time
 
 import jax
@@ -63,5 +66,28 @@ for kib in (4, 16, 48, 64, 65, 128, 256, 1024):
                 return consume(jax.device_put(h, device_sharding))
             staged()
             c = [timed(staged) for _ in range(5)]
+        on_dev = jax.device_put(x, dev)
+        d = [timed(lambda on_dev=on_dev: consume(on_dev)) for _ in range(5)]
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+
+        def threaded(x=x, pool=pool):
+            fut = pool.submit(jax.device_put, x, dev)
+            t0 = time.perf_counter()
+            time.sleep(0.002)  # the main thread's own work while the transfer runs
+            t_main = time.perf_counter() - t0
+            return consume(fut.result()), t_main
+        e = []
+        for _ in range(5):
+            out = busy(big)
+            t0 = time.perf_counter()
+            r, t_main = threaded()
+            e.append(1e3 * (time.perf_counter() - t0 - t_main))
+            jax.block_until_ready((out, r))
+        try:
+            f = [timed(lambda x=x: jax.device_put(x.copy(), dev, donate=True)) for _ in range(5)]
+        except TypeError:
+            f = []
     print(f"{kib:5d} KiB: jit(numpy) {np.median(a):.3f} ms, device_put {np.median(b):.3f} ms, "
-          f"via pinned_host {np.median(c) if c else float('nan'):.3f} ms (host time while the GPU is busy)")
+          f"via pinned_host {np.median(c) if c else float('nan'):.3f} ms, jit(device array) {np.median(d):.3f} ms, "
+          f"device_put on a 2nd thread (main thread waits) {np.median(e):.3f} ms, device_put(donate) "
+          f"{np.median(f) if f else float('nan'):.3f} ms (host time while the GPU is busy)")
