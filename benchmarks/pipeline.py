@@ -3,7 +3,8 @@
 N closed-loop streams (a finished request is replaced at once by a new one), per-request max_tokens drawn uniformly in
 [50, 150] (mean 100: random weights never stop on their own), prompt 64 tokens. For each model and stream count:
 
-  period     median launch-to-launch interval of decode-only steps (telemetry), blocking and pipelined
+  period     median launch-to-launch interval of decode steps whose predecessor and successor are decode steps too
+             (telemetry), blocking and pipelined
   fwd+samp   the same decode step dispatched back to back with no host work (device time), and the plain sampler alone
   host       median host time per step (plan + pack + dispatch + commit)
   idle       period - fwd+samp: what the device waits per step
@@ -74,8 +75,11 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, make_par
     wall = time.perf_counter() - t0
     recs = sorted(llm.engine.telemetry.records, key=lambda r: r.step_id)
     decode = [r for r in recs if r.kind == "decode"]
-    periods = [b.t_launch - a.t_launch for a, b in zip(recs, recs[1:], strict=False) if b.kind == "decode"
-               and a.kind == "decode"]
+    # A pipelined launch waits for the commit of the step two back, so a period reflects the device time of the step
+    # before it: count decode periods only where that step was a decode step too (a mixed step's longer forward
+    # would otherwise be charged to the decode step after it).
+    periods = [c.t_launch - b.t_launch for a, b, c in zip(recs, recs[1:], recs[2:], strict=False)
+               if a.kind == b.kind == c.kind == "decode"]
     host = [(r.t_launched - r.t_plan) + (r.t_committed - r.t_ready) for r in decode]
     by_kind: dict[str, list[float]] = {}  # launch-to-launch period of every step, by the step's kind
     for a, b in zip(recs, recs[1:], strict=False):
@@ -208,11 +212,13 @@ def main() -> None:
                   f"{row['period_over_device']:.3f}, L {L:.0f}, predicted {row['predicted']:+.1%} (all steps "
                   f"{row['predicted_all_steps']:+.1%}), observed "
                   f"{row['observed']:+.1%} ({b['tok_s']:.0f} -> {p['tok_s']:.0f} tok/s)", flush=True)
-        mid = sorted(args.streams)[len(args.streams) // 2]
-        timelines[f"{model}, {mid} streams, blocking"] = results[1, mid]["timeline"]
-        timelines[f"{model}, {mid} streams, pipelined"] = results[2, mid]["timeline"]
+        for n in args.streams:  # every run's timeline is kept (the raw data behind each row), the middle one plotted
+            timelines[f"{model}, {n} streams, blocking"] = results[1, n]["timeline"]
+            timelines[f"{model}, {n} streams, pipelined"] = results[2, n]["timeline"]
     tag = f"_{args.tag}" if args.tag else ""
-    plot_timelines(f"{args.out}/pipeline_timeline{tag}.png", {k: v for k, v in list(timelines.items())[-2:]})
+    mid = sorted(args.streams)[len(args.streams) // 2]
+    shown = [f"{args.models[-1]}, {mid} streams, {mode}" for mode in ("blocking", "pipelined")]
+    plot_timelines(f"{args.out}/pipeline_timeline{tag}.png", {name: timelines[name] for name in shown})
     write_json(f"{args.out}/pipeline{tag}.json", {"info": info, "rows": rows})
     write_json(f"{args.out}/pipeline_timelines{tag}.json", timelines)
 
