@@ -19,9 +19,12 @@ import jax
 import jax.numpy as jnp
 
 MOE_BACKENDS = ("auto", "warp_decode", "expert_centric")
-# Tokens per step up to which "auto" runs warp decode. A first guess (the warp kernels read every routed expert once;
-# the grouped GEMM catches up as tokens per expert grow); benchmarks/moe_decode.py measures the crossover on the GPU.
-WARP_DECODE_MAX_TOKENS = 64
+# Tokens per step up to which "auto" runs warp decode. Measured on the H100 (benchmarks/RESULTS.md, `gpu_suite.sh
+# moe-threshold`, one layer, bf16): warp decode beat the expert-centric path at every size tried, 32..192 tokens, on
+# both the Qwen3-30B-A3B and moondream3 shapes, by 1.65-2.38x and 1.19-1.77x; the margin shrinks past 64 tokens (the
+# kernels then run in 64-token chunks that each re-read the experts), so the switch sits at the largest size measured
+# to win on both shapes. Prefill chunks above it take the grouped GEMM.
+WARP_DECODE_MAX_TOKENS = 192
 
 
 def check_backend(backend: str) -> str:
