@@ -1,0 +1,129 @@
+"""Where the device time of one engine step goes, kernel by kernel (issue 8: "profile the decode step").
+
+Runs the engine's own jitted step (the serving path, same buckets and options) back to back under `jax.profiler`,
+reads the trace back with `jax.profiler.ProfileData` (no TensorBoard needed) and sums the device events per kernel
+name, per step. Several step shapes in one run, so a decode step and a mixed decode+prefill step can be compared.
+
+    python benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 32:0 32:64 --out /tmp/prof.json
+    python benchmarks/kernel_profile.py --smoke        # tiny model on the CPU: checks the plumbing, not the numbers
+
+A shape is DECODE_ROWS:PREFILL_TOKENS (one prefill row of that many tokens; 0 = a pure decode step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import jax
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from benchmarks.common import device_info, write_json  # noqa: E402
+from jphoton import LLM  # noqa: E402
+from jphoton.engine.step import StepShape  # noqa: E402
+
+
+def run_steps(runner, shape: StepShape, n: int) -> float:
+    """n steps of `shape` back to back (padding inputs: every row on the trash page); seconds per step."""
+    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slot = runner.slots[runner._next_slot]
+        slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
+                                                           slot.tokens, slot.logits, packed)
+        runner._prev_tokens = slot.tokens
+        runner._next_slot ^= 1
+    jax.block_until_ready(runner.kv)
+    return (time.perf_counter() - t0) / n
+
+
+def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """Nanoseconds per name, summed over the trace: {"ops": XLA op spans, "kernels": stream events} on GPU planes (on
+    the CPU, the XLA client thread's events under both keys, enough to test the plumbing), and the line names seen."""
+    from jax.profiler import ProfileData
+
+    [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(path)
+    totals: dict[str, dict[str, float]] = {"ops": collections.defaultdict(float),
+                                           "kernels": collections.defaultdict(float)}
+    lines_seen = []
+    for plane in data.planes:
+        gpu = plane.name.startswith("/device:GPU")
+        if not (gpu or plane.name == "/host:CPU"):
+            continue
+        for line in plane.lines:
+            lines_seen.append(f"{plane.name}:{line.name}")
+            if gpu:
+                kinds = ["ops"] if line.name == "XLA Ops" else ["kernels"] if "Stream" in line.name else []
+            else:
+                kinds = ["ops", "kernels"] if line.name.startswith("tf_XLAPjRtCpuClient") else []
+            for ev in line.events:
+                if ev.duration_ns <= 0 or "ThreadpoolListener" in ev.name:
+                    continue
+                for kind in kinds:
+                    totals[kind][ev.name] += ev.duration_ns
+    return totals, lines_seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--shapes", nargs="+", default=["1:0", "32:0", "32:64"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.shapes, args.steps = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3
+    shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
+    decode = tuple(sorted({d for d, _ in shapes if d}))
+    prefill = tuple(sorted({(1, t) for _, t in shapes if t})) or ((1, 16),)
+    extra = {}
+    for kv in filter(None, args.llm_args.split(",")):
+        k, v = kv.split("=", 1)
+        extra[k] = eval(v, {})  # noqa: S307 - a benchmark's own command line
+    info = device_info()
+    print(info, flush=True)
+    llm = LLM(args.model, max_model_len=256, pipeline_depth=2, max_num_seqs=max(decode or (1,)),
+              decode_buckets=decode or (1,), prefill_buckets=prefill,
+              max_num_batched_tokens=max(decode or (1,)) + max(t for _, t in prefill),
+              num_kv_pages=max(decode or (1,)) * 16 + 8, progress=False, **extra)
+    runner = llm.engine.runner
+    rows = []
+    for d, t in shapes:
+        shape = next(s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
+                     and s.prefill_rows == (1 if t else 0))
+        run_steps(runner, shape, 3)
+        wall = run_steps(runner, shape, args.steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp)
+            run_steps(runner, shape, args.steps)
+            jax.profiler.stop_trace()
+            totals, lines = device_events(tmp)
+        row = dict(decode_rows=d, prefill_tokens=t, ms_per_step=1e3 * wall)
+        print(f"\n== decode rows {d}, prefill tokens {t} ({shape}): {1e3 * wall:.3f} ms/step back to back", flush=True)
+        for kind in ("ops", "kernels"):
+            per_step = {k: v / args.steps / 1e3 for k, v in totals[kind].items()}  # µs per step
+            busy = sum(per_step.values())
+            top = sorted(per_step.items(), key=lambda kv: -kv[1])[:args.top]
+            print(f"  {kind}: {busy / 1e3:.3f} ms/step in {len(per_step)} names", flush=True)
+            if not per_step:
+                print("   none found; trace lines:", lines[:20])
+            for name, us in top:
+                print(f"   {us:9.1f} us  {us / busy:6.1%}  {name[:110]}")
+            row[kind] = dict(busy_us=busy, count=len(per_step), top=dict(top))
+        rows.append(row)
+    if args.out:
+        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
