@@ -39,6 +39,10 @@ class LLM:
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
     moe_backend: how MoE layers run: "warp_decode" (Pallas kernels), "expert_centric" (grouped GEMM) or "auto" (warp
     decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
+    attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
+    context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,
+    whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static"; the
+    GPU default; interpret mode, slow, on CPU) or "auto".
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
@@ -58,10 +62,11 @@ class LLM:
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
         accelerator = jax.default_backend() != "cpu"
         if attention == "auto":
-            # On GPU a data-dependent loop would sync the host every iteration: static context buckets there.
-            attention = "static" if accelerator else "dynamic"
-        if attention not in ("static", "dynamic"):
-            raise ValueError(f"attention must be 'auto', 'static' or 'dynamic', got {attention!r}")
+            # On GPU an XLA data-dependent loop would sync the host every iteration: the Pallas kernel for decode rows
+            # (its loop runs inside the kernel), static context buckets for prefill rows.
+            attention = "pallas" if accelerator else "dynamic"
+        if attention not in ("static", "dynamic", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'static', 'dynamic' or 'pallas', got {attention!r}")
         if unroll_layers is None:
             unroll_layers = accelerator
         check_moe_backend(moe_backend)
@@ -85,7 +90,7 @@ class LLM:
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
         pages_per_seq = -(-self.max_model_len // page_size)
-        if attention == "static":
+        if attention in ("static", "pallas"):  # "pallas": the buckets serve prefill rows only
             context_buckets = tuple(context_buckets or _default_context_buckets(pages_per_seq))
             if context_buckets[-1] < pages_per_seq:
                 raise ValueError(f"the largest context bucket ({context_buckets[-1]} pages) must cover max_model_len "
@@ -96,7 +101,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             decode_buckets=decode_buckets or _pow2_buckets(max_num_seqs),
             prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens),
-            context_buckets=context_buckets)
+            context_buckets=context_buckets, pallas_decode=attention == "pallas")
         self.attention = attention
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(self.config, self.max_model_len, page_size, max_num_seqs,
@@ -105,9 +110,15 @@ class LLM:
         self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
                              max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs,
                              grammar=self.grammar)
-        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: plain-JAX paged (%s%s), "
-                 "layers %s", num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attention,
-                 f", context buckets {context_buckets} pages" if context_buckets else "",
+        buckets = f", context buckets {context_buckets} pages" if context_buckets else ""
+        if attention == "pallas":
+            from pallas_kernels.paged_decode_attention import path_name
+
+            attn_desc = f"{path_name()} for decode rows, plain-JAX paged (static{buckets}) for prefill rows"
+        else:
+            attn_desc = f"plain-JAX paged ({attention}{buckets})"
+        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: %s, layers %s",
+                 num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attn_desc,
                  "unrolled" if unroll_layers else "scanned")
         if warmup:
             self.engine.runner.warmup(progress=progress)

@@ -56,6 +56,9 @@ def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
     decode = [0, *cfg.decode_buckets]
     prefill = [(0, 0), *cfg.prefill_buckets]
     contexts = cfg.context_buckets or (0,)
+    if cfg.pallas_decode:  # decode-only steps need no context bucket: one shape per decode bucket
+        return ([StepShape(d, 0, 0) for d in cfg.decode_buckets]
+                + [StepShape(d, r, t, c) for c in contexts for d in decode for r, t in prefill if r])
     return [StepShape(d, r, t, c) for c in contexts for d in decode for r, t in prefill if d or r]
 
 
@@ -70,7 +73,8 @@ class Runner:
         pages_per_seq = -(-pages_per_seq // ppb) * ppb
         max_rows = max(sched.decode_buckets) + max(r for r, _ in sched.prefill_buckets)
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
-                                 trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window)
+                                 trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
+                                 pallas_decode=sched.pallas_decode)
         self.max_logprobs = max_logprobs
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.

@@ -21,6 +21,9 @@ class SchedulerConfig:
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[tuple[int, int], ...] = ((1, 32), (1, 128), (4, 128), (1, 512))  # (rows, tokens per row)
     context_buckets: tuple[int, ...] = ()  # pages attended per row (static attention); () = dynamic attention loop
+    # Decode rows attend through the Pallas kernel (pallas_kernels/paged_decode_attention.py), whose loop follows each
+    # row's own length: only prefill rows need a context bucket, and a decode-only step has none.
+    pallas_decode: bool = False
 
     def __post_init__(self):
         if not self.decode_buckets or sorted(self.decode_buckets) != list(self.decode_buckets):
@@ -58,7 +61,7 @@ class StepPlan:
     prefill: list[Row]
     decode_bucket: int  # padded decode rows (0 = none)
     prefill_bucket: tuple[int, int]  # padded (rows, tokens per row); (0, 0) = none
-    context_bucket: int = 0  # pages attended per row; 0 = dynamic
+    context_bucket: int = 0  # pages attended per row; 0 = dynamic (or no bucket: decode-only, Pallas decode)
 
     @property
     def rows(self) -> list[Row]:
@@ -118,8 +121,9 @@ class Scheduler:
             return None
         decode_bucket = _smallest_at_least(self.config.decode_buckets, len(decode)) if decode else 0
         plan = StepPlan(step_id, decode, prefill, decode_bucket, prefill_bucket)
-        if self.config.context_buckets:
-            need = max(self.pages.pages_for(r.start + r.num_tokens) for r in plan.rows)
+        bucketed = plan.prefill if self.config.pallas_decode else plan.rows
+        if self.config.context_buckets and bucketed:
+            need = max(self.pages.pages_for(r.start + r.num_tokens) for r in bucketed)
             plan.context_bucket = _smallest_at_least(self.config.context_buckets, need)
         for i, row in enumerate(decode):
             row.out_row = i

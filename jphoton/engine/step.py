@@ -47,6 +47,7 @@ class StepStatic:
     trash_page: int
     max_rows: int  # length of the output buffers
     sliding_window: int | None
+    pallas_decode: bool = False  # decode rows through pallas_kernels/paged_decode_attention.py
 
 
 class StepLayout:
@@ -116,14 +117,23 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         attention = functools.partial(paged_attention, page_size=ps, pages_per_block=static.pages_per_block,
                                       sliding_window=static.sliding_window)
 
+    if static.pallas_decode:  # the kernel's loop follows each row's own length: decode rows need no context bucket
+        from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+        def decode_attention(q, k_pool, v_pool, layer):
+            return paged_decode_attention(q, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
+                                          sliding_window=static.sliding_window)
+    else:
+        def decode_attention(q, k_pool, v_pool, layer):
+            return attention(q[:, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0]
+
     def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
         k_pool = k_pool.at[layer, slots].set(k.astype(k_pool.dtype))
         v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
         parts = []
         if Bd:
-            parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1
-                                   ).reshape(Bd, *q.shape[1:]))
+            parts.append(decode_attention(q[:Bd], k_pool, v_pool, layer))
         if Bp:
             qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
             out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])

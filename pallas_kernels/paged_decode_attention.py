@@ -1,0 +1,313 @@
+"""Paged decode attention: one query token per row over its paged KV cache, as a Pallas kernel, plus a jnp reference.
+
+The engine's plain-JAX paths (jphoton/engine/attention.py) either gather the whole context bucket of every row into a
+[R, C, Hkv, hd] copy in XLA and softmax over it (`paged_attention_static`: the cost follows the *bucket*, up to 4x the
+real context, and the gather writes and re-reads the KV bytes), or loop in an XLA `while_loop` whose predicate goes to
+the host every iteration on a GPU (`paged_attention`). Here one kernel reads each visible key/value exactly once,
+straight from the pool, and its loop follows each row's own length:
+
+  grid      (row r, KV head h, split s). A program owns one KV head and *all* G = Hq / Hkv query heads of it (GQA), so
+            every K/V tile it loads serves G queries; the tiles of one row and head are read by exactly one program.
+  split     a row's visible key range [lo, hi) (lo = 0, or hi - sliding_window) is cut into `splits` contiguous runs of
+            `block_tokens`-token blocks, as equal as the row's *own* length allows (the split bounds are computed in the
+            kernel from ctx_len, so a short row in a long-context batch still spreads over all splits; splits past the
+            row's end exit at once). Each split writes its partial (m, l, acc) in fp32 and a jnp combine merges them
+            (flash-decoding). With one split the kernel normalises and writes the output itself (no combine).
+  loop      an online softmax over the split's blocks: a `fori_loop` whose bounds come from ctx_len, read from a scalar
+            ref. (A data-dependent loop is fine inside a GPU kernel; it is an XLA `while_loop` that syncs the host.)
+  gather    a block of `block_tokens` positions reads its page ids from the block table (one small cached load, page id
+            repeated per position), forms the pool slots page * page_size + offset and loads K and V [block, hd] tiles
+            with full array indices: pages are gathered *inside* the kernel, no copy of K/V is made in XLA. Each
+            position's hd values are contiguous (128 B for bf16 hd 64), so the loads coalesce per row. The page size
+            need not be a power of two or divide the block: the arithmetic is per position.
+  layer     the stacked pool [L, slots, Hkv, hd] is indexed with a traced layer scalar, never sliced into a copy.
+  dots      scores = q [Gp, hd] . K^T and acc += p [Gp, block] . V run on tensor cores (`dot_general`, fp32
+            accumulation). Triton's dot needs every dimension >= 16, so the G query heads of a KV head are padded to
+            Gp = max(16, pow2(G)) rows inside the kernel: masked loads give zero rows, masked stores drop them; the
+            padding costs FLOPs only, and this kernel is bound by KV bytes (G=4: 4x the FLOPs of G rows, still far from
+            the compute roof). An elementwise multiply+reduce over a [G, block, hd] tensor would avoid the padding but
+            holds G*block*hd fp32 values in registers per step. For bf16 inputs p is rounded to bf16 before the PV dot
+            (as every flash kernel does); float32 inputs use precision HIGHEST (IEEE, not TF32).
+  padding   rows with ctx_len 0 (the engine's padding rows, whose block table points at the trash page) run no block
+            and come out as zeros, not NaN (l = 0 is guarded).
+
+Why the Pallas Triton backend: as in moe_warp_decode.py, it runs in interpret mode on the CPU (jax 0.10.2, CI) and
+compiles on the H100 (jax 0.11.2), its masked loads/stores handle odd head counts and lengths without padding copies, a
+gather with an array of pointers is ordinary Triton, and its pipeliner (`num_stages`) keeps the next block's K/V loads
+in flight behind the dots. Interpret mode cannot mix array indices with slices in one load, so gathers use full array
+indices (scalars and index arrays only) and everything else scalar + `pl.ds`.
+
+`default_config` (splits, block size, warps) is a first guess until benchmarks/attention_decode.py has measured it on
+the H100: about 4 programs per SM of a 132-SM GPU when the batch is small, at least two blocks per split.
+
+`paged_decode_attention_reference` is the float32 oracle in plain jnp (a gather of max_pages pages per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+log = logging.getLogger("jphoton.kernels")
+
+NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
+NUM_SMS = 132  # H100 SXM; only shapes the default split count
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeConfig:
+    """Launch parameters. block_tokens: key positions per loop step (a power of two >= 16); splits: programs per
+    (row, KV head) over the sequence (1 = no combine pass)."""
+
+    block_tokens: int = 64
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        b = self.block_tokens
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"PagedDecodeConfig.block_tokens must be a power of two >= 16, got {b}")
+        if self.splits < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"PagedDecodeConfig: splits, num_warps and num_stages must be positive, got {self}")
+
+
+def default_config(rows: int, num_kv_heads: int, max_tokens: int) -> PagedDecodeConfig:
+    """First guess until measured on the H100: enough (row, head, split) programs for ~4 per SM, each split at least
+    two blocks of the longest possible context (max_tokens, static), splits a power of two <= 64."""
+    block = min(64, max(16, _pow2(max_tokens)))
+    blocks = -(-max_tokens // block)
+    want = -(-4 * NUM_SMS // max(rows * num_kv_heads, 1))
+    splits = max(1, min(_pow2(want), 64, _pow2_floor(max(blocks // 2, 1))))
+    return PagedDecodeConfig(block_tokens=block, splits=splits)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _use_interpret(interpret: bool | None) -> bool:
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+_logged: set = set()
+
+
+def _log_path(interpret: bool, what: str) -> None:
+    key = (interpret, what)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("paged decode attention %s: %s", what,
+                 "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
+
+
+def path_name(interpret: bool | None = None) -> str:
+    """What the engine's start-up log line says about this kernel."""
+    return "Pallas paged decode attention (" + ("interpret mode" if _use_interpret(interpret) else "Triton") + ")"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
+            window, scale, pv_dtype, precision):
+    r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    ctx = len_ref[r]
+    hi = jnp.minimum(ctx, max_tokens)
+    lo = jnp.maximum(ctx - window, 0) if window is not None else jnp.int32(0)
+    # This split's blocks: the row's visible blocks cut into S runs (lax.div: operands are >= 0, and jnp's floor
+    # division sign fix-ups do not lower to Triton).
+    b_lo = jax.lax.div(lo, BC)
+    b_hi = jax.lax.div(hi + (BC - 1), BC)
+    nb = jnp.maximum(b_hi - b_lo, 0)
+    per = jax.lax.div(nb + (S - 1), S)
+    start = b_lo + s * per
+    end = jnp.minimum(start + per, b_hi)
+
+    gg = jnp.arange(Gp, dtype=jnp.int32)
+    dd = jnp.arange(HD, dtype=jnp.int32)
+    gmask, dmask = gg < G, dd < hd
+    q = plgpu.load(q_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = q.astype(k_ref.dtype)
+    tt = jnp.arange(BC, dtype=jnp.int32)
+    dims_qk = (((1,), (1,)), ((), ()))
+    dims_pv = (((1,), (0,)), ((), ()))
+
+    def body(j, carry):
+        m, l, acc = carry
+        t = j * BC + tt
+        valid = (t >= lo) & (t < hi)
+        page_idx = jnp.minimum(jax.lax.div(t, ps), P - 1)
+        page = plgpu.load(bt_ref.at[r, page_idx], mask=valid, other=0)
+        slot = jnp.where(valid, page * ps + jax.lax.rem(t, ps), 0)
+        kvmask = valid[:, None] & dmask[None, :]
+        k = plgpu.load(k_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)  # [BC, HD]
+        v = plgpu.load(v_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+        sc = jax.lax.dot_general(q, k, dims_qk, precision=precision, preferred_element_type=jnp.float32) * scale
+        sc = jnp.where(valid[None, :], sc, NEG)  # [Gp, BC]
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        p = jnp.where(valid[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(pv_dtype), v, dims_pv, precision=precision,
+                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    init = (jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, HD), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(start, end, body, init)
+
+    if S == 1:
+        [o_ref] = out_refs
+        out = acc / jnp.maximum(l, 1e-30)[:, None]  # no visible key (padding rows): zeros, not NaN
+        plgpu.store(o_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], out.astype(o_ref.dtype),
+                    mask=gmask[:, None] & dmask[None, :])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        plgpu.store(acc_ref.at[r, h, s, pl.ds(0, Gp), pl.ds(0, HD)], acc)
+        plgpu.store(m_ref.at[r, h, s, pl.ds(0, Gp)], m)
+        plgpu.store(l_ref.at[r, h, s, pl.ds(0, Gp)], l)
+
+
+def _combine(acc, m, l, G: int, hd: int, out_dtype) -> jax.Array:
+    """Merge the splits' partial softmaxes: acc [R, Hkv, S, Gp, HD], m, l [R, Hkv, S, Gp] -> [R, Hkv * G, hd]."""
+    acc, m, l = acc[..., :G, :hd], m[..., :G], l[..., :G]
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)  # empty splits: m = NEG, l = 0, acc = 0 -> they add nothing
+    l_all = jnp.sum(l * w, axis=2)
+    out = jnp.sum(acc * w[..., None], axis=2) / jnp.maximum(l_all, 1e-30)[..., None]
+    R, Hkv = out.shape[:2]
+    return out.reshape(R, Hkv * G, hd).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the public functions
+
+
+def check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [R, Hq, hd] (one query token per row), got shape {q.shape}")
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must both be [L, slots, Hkv, hd]; got {k_pool.shape} and {v_pool.shape}")
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
+    for name, a in (("q", q), ("k_pool", k_pool)):
+        if a.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise ValueError(f"{name} must be bfloat16, float16 or float32, got {a.dtype}")
+    R, Hq, hd = q.shape
+    _, slots, Hkv, hd_kv = k_pool.shape
+    if hd_kv != hd:
+        raise ValueError(f"head_dim of q ({hd}) and of the KV pool ({hd_kv}) differ")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if slots % page_size:
+        raise ValueError(f"the pool's slot count ({slots}) is not a multiple of page_size ({page_size})")
+    if block_table.ndim != 2 or block_table.shape[0] != R:
+        raise ValueError(f"block_table must be [R={R}, P], got {block_table.shape}")
+    if ctx_len.shape != (R,):
+        raise ValueError(f"ctx_len must be [R={R}], got {ctx_len.shape}")
+    for name, a in (("block_table", block_table), ("ctx_len", ctx_len)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got {a.dtype}")
+    if max_pages is not None and not (isinstance(max_pages, int) and 1 <= max_pages <= block_table.shape[1]):
+        raise ValueError(f"max_pages must be an int in [1, {block_table.shape[1]}], got {max_pages!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def _layer_array(layer) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
+                           ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
+                           sliding_window: int | None = None, config: PagedDecodeConfig | None = None,
+                           interpret: bool | None = None) -> jax.Array:
+    """Decode attention of one query token per row over the paged KV cache.
+
+    q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
+    >= ctx_len[r] - sliding_window), at most max_pages * page_size of them (max_pages: a static bound, default the
+    block table's width P). k_pool, v_pool [L, slots, Hkv, hd] with slot = page * page_size + offset; layer a Python
+    int or a traced scalar; block_table [R, P] page ids; ctx_len [R] (0 = padding row -> zeros).
+    Returns [R, Hq, hd] in q.dtype. interpret: None = interpret mode unless the default backend is a GPU."""
+    check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
+    R, Hq, hd = q.shape
+    Hkv = k_pool.shape[2]
+    G = Hq // Hkv
+    P = block_table.shape[1]
+    max_tokens = (max_pages or P) * page_size
+    cfg = config or default_config(R, Hkv, max_tokens)
+    S, BC = cfg.splits, cfg.block_tokens
+    Gp, HD = max(16, _pow2(G)), max(16, _pow2(hd))
+    interp = _use_interpret(interpret)
+    _log_path(interp, f"R={R} splits={S}")
+    f32 = k_pool.dtype == jnp.float32
+    kernel = functools.partial(
+        _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
+        window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
+        precision=jax.lax.Precision.HIGHEST if f32 else None)
+    if S == 1:
+        out_shape = jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((R, Hkv, S, Gp, HD), jnp.float32),
+                     jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
+                     jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32))
+    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        out = pl.pallas_call(
+            kernel,
+            grid=(R, Hkv, S),
+            out_shape=out_shape,
+            interpret=interp,
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}",
+        )(_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), q, k_pool, v_pool)
+    if S == 1:
+        return out
+    return _combine(*out, G, hd, q.dtype)
+
+
+def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
+                                     ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
+                                     sliding_window: int | None = None, config=None, interpret=None) -> jax.Array:
+    """The same attention in plain jnp, float32 throughout: gather max_pages pages per row, mask, softmax. Returns
+    float32 [R, Hq, hd] (the oracle). config and interpret are accepted and ignored (same signature as the kernel)."""
+    del config, interpret
+    check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
+    R, Hq, hd = q.shape
+    Hkv = k_pool.shape[2]
+    n = max_pages or block_table.shape[1]
+    pages = block_table[:, :n].astype(jnp.int32)
+    slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(R, n * page_size)
+    layer = 0 if layer is None else layer
+    k = k_pool[layer][slots].astype(jnp.float32)  # [R, C, Hkv, hd]
+    v = v_pool[layer][slots].astype(jnp.float32)
+    pos = jnp.arange(n * page_size)[None, :]
+    ctx = ctx_len.astype(jnp.int32)[:, None]
+    visible = pos < ctx
+    if sliding_window is not None:
+        visible &= pos >= ctx - sliding_window
+    qg = q.astype(jnp.float32).reshape(R, Hkv, Hq // Hkv, hd)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("rkgd,rckd->rkgc", qg, k, precision=hi) * (hd ** -0.5)
+    s = jnp.where(visible[:, None, None], s, NEG)
+    p = jnp.where(visible[:, None, None], jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    out = jnp.einsum("rkgc,rckd->rkgd", p, v, precision=hi)
+    return out.reshape(R, Hq, hd)
