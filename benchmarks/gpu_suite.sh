@@ -73,6 +73,12 @@ for section in "$@"; do
         --out "$OUT/kernel-profile.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
+    attention)  # issue 8: Pallas paged decode attention vs the plain-JAX static gather vs the jnp reference, Llama-3.2-1B
+      # attention shape (16-layer bf16 pool), B = 1..128 x context 512..8192: us per call, KV read GB/s, error
+      run attention python3 benchmarks/attention_decode.py --out "$OUT/attention.json" ;;
+    attention-sweep)  # the kernel's configs (block, splits, warps, stages) where splits matter most: B = 1, 8 at 8k context
+      run attention-sweep python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 1 8 --ctx 8192 \
+        --time-per-path 0.2 --out "$OUT/attention-sweep.json" ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done
