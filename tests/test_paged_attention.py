@@ -44,7 +44,7 @@ def make_inputs(seed, *, R, Hq, Hkv, hd, page_size, P, dtype, lengths, layers=3,
 # table, and random ones; the splits cut the rows into several runs each.
 CASES = {
     "g1_f32_s1": (4, 4, 16, 4, 6, jnp.float32, PagedDecodeConfig(block_tokens=16, splits=1), None),
-    "g4_bf16_s3": (8, 2, 16, 4, 8, jnp.bfloat16, PagedDecodeConfig(block_tokens=16, splits=3), None),
+    "g4_bf16_s3": (8, 2, 16, 4, 20, jnp.bfloat16, PagedDecodeConfig(block_tokens=16, splits=3), None),
     "odd_h6kv2_hd24_page3": (6, 2, 24, 3, 7, jnp.float32, PagedDecodeConfig(block_tokens=16, splits=2), None),
     "g4_f32_window": (8, 2, 16, 4, 8, jnp.float32, PagedDecodeConfig(block_tokens=16, splits=2), 9),
     "g4_bf16_default_config": (8, 2, 32, 8, 6, jnp.bfloat16, None, None),
