@@ -1,0 +1,229 @@
+"""Skinny matmul for decode ("GEMV"): y [M, N] = x [M, K] @ W, M a few tokens (<= MAX_ROWS), W bf16, as one Pallas
+(Triton backend) kernel, plus a plain-jnp reference.
+
+Why: a decode step multiplies 1-64 activation rows by every weight matrix once, so its time is the time to read the
+weights from HBM. On the H100 XLA's decode dots reached only 0.84-1.85 TB/s of ~3.1 (../shared/NOTES.md "Numbers
+measured on the H100"): cuBLAS/Triton GEMM configs are tuned for FLOPs, with too few CTAs or too little in flight for a
+[K, N] matrix and 1-32 rows. This kernel is designed for bandwidth only:
+
+  grid (n-block, k-split): program (j, s) owns output columns n0:n0+BN and the K range s*Ks:(s+1)*Ks. It streams its
+      [BK, BN] weight tiles (contiguous rows of BN elements; [BN, BK] tiles of contiguous K for a transposed [N, K]
+      weight such as a tied embedding used as the LM head) in a K loop that Triton's software pipeliner keeps
+      `num_stages` tiles deep, or (`unroll`) as straight-line code whose loads can all be issued up front. The few
+      activation rows ride along (a [Mp, BK] tile, from L2), padded to 16 rows by masked loads for `pl.dot` (tensor
+      cores: bf16 operands, fp32 accumulation), or (`mode="fma"`, for M <= 4) multiplied and reduced in fp32 row by row
+      on the CUDA cores, with no padding.
+  split-K: narrow matrices (wo 2048x2048, w_down 8192x2048 in Llama-3.2-1B) have too few column blocks to give 132 SMs
+      several programs each; `split` programs share a column block, each writing an fp32 partial [split, M, N] that
+      jnp sums afterwards (M*N*4 bytes per split: small next to the weights, and deterministic, unlike atomics, so
+      greedy decoding stays reproducible run to run).
+  stacked weights: W may be [L, K, N] with a traced `layer` index, so a layer loop never slices the stack into a copy
+      (an XLA slice feeding a custom call is materialised: it would double the weight traffic).
+
+Config per (M, K, N): `default_config` is a table that is a FIRST GUESS until the sweep in benchmarks/decode_matmul.py
+runs on the H100 (then replace it by the measured winners). Output dtype: x.dtype, or float32 (`out_dtype`, the LM head).
+
+Like pallas_kernels/moe_warp_decode.py: Triton backend because it runs in interpret mode on the CPU (jax 0.10.2, the
+tests) and compiles on the H100 (jax 0.11.2) with masked loads and stores, so odd sizes need no padding copies.
+Interpret mode cannot mix array indices with slices in one load/store, so every ref is indexed by scalars + `pl.ds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+log = logging.getLogger("jphoton.kernels")
+
+MAX_ROWS = 64  # most activation rows one call takes (an [Mp, BN] fp32 accumulator lives in registers)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 64  # output columns per program
+    block_k: int = 256  # reduction chunk per loop step
+    split: int = 1  # programs sharing one column block (split-K); clipped so every split has >= one chunk
+    num_warps: int = 4
+    num_stages: int = 3
+    mode: str = "dot"  # "dot" (pl.dot, rows padded to 16) | "fma" (multiply + reduce in fp32, one row at a time)
+    unroll: bool = False  # K loop unrolled in Python
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two >= 16, got {v}")
+        if self.split < 1:
+            raise ValueError(f"GemvConfig.split must be >= 1, got {self.split}")
+        if self.mode not in ("dot", "fma"):
+            raise ValueError(f"GemvConfig.mode must be 'dot' or 'fma', got {self.mode!r}")
+
+    def short(self) -> str:
+        return (f"{self.mode} BN{self.block_n} BK{self.block_k} S{self.split} w{self.num_warps} s{self.num_stages}"
+                f"{' unrolled' if self.unroll else ''}")
+
+
+NUM_SMS = 132  # H100 SXM; only shapes the first-guess table
+
+
+def default_config(m: int, k: int, n: int) -> GemvConfig:
+    """First guess until the sweep runs on the H100 (benchmarks/decode_matmul.py --out, then put the winners here).
+
+    Rule of thumb behind it: >= ~2 programs per SM, each keeping ~48-96 KiB of weight tiles in flight (3 stages of a
+    [BK, BN] bf16 tile of 16-32 KiB); split K only when the column blocks alone give fewer than ~NUM_SMS programs.
+
+        M <= 4   fma, BN 64,  BK 256   (no tensor-core padding; per-row reductions)
+        M > 4    dot, BN 64,  BK 128   (x padded to 16/32/64 rows)
+        N >= 16384 (gate_up, LM head): BN 128, no split
+        split = smallest power of two with (N / BN) * split >= NUM_SMS, capped so each split keeps >= 4 K chunks
+    """
+    fma = m <= 4
+    bn = 128 if n >= 16384 else 64
+    bk = 256 if fma else 128
+    split = 1
+    while pl.cdiv(n, bn) * split < NUM_SMS and k // (2 * split) >= 4 * bk:
+        split *= 2
+    return GemvConfig(block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=3, mode="fma" if fma else "dot")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def use_interpret(interpret: bool | None) -> bool:
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+def path_name(interpret: bool | None = None) -> str:
+    return "Pallas GEMV, interpret mode (no GPU)" if use_interpret(interpret) else "Pallas GEMV (Triton) on GPU"
+
+
+_logged: set = set()
+
+
+def _log_path(interpret: bool, m: int, k: int, n: int, cfg: GemvConfig) -> None:
+    key = (interpret, m, k, n, cfg)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("gemv [%d, %d] x [%d, %d]: %s, %s", m, k, k, n, path_name(interpret), cfg.short())
+
+
+def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
+                 mask_k, mask_n):
+    j, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    n0 = j * BN
+    nmask = n0 + jnp.arange(BN, dtype=jnp.int32) < N
+    rows = jnp.arange(Mp, dtype=jnp.int32) < M
+    k_begin = s * (chunks * BK)
+
+    def body(i, acc):
+        k0 = k_begin + i * BK
+        kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
+        if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
+            wref = w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)]
+            wmask = (nmask[:, None] if mask_n else True) & (kmask[None, :] if mask_k else True)
+        else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
+            wref = w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)]
+            wmask = (kmask[:, None] if mask_k else True) & (nmask[None, :] if mask_n else True)
+        w = plgpu.load(wref, mask=None if wmask is True else wmask, other=0.0)
+        if fma:
+            cols = []
+            for r in range(M):  # static: M <= 4 rows, each one [BK] row of x
+                xr = plgpu.load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], mask=kmask if mask_k else None, other=0.0)
+                xr = xr.astype(jnp.float32)
+                if transposed:
+                    cols.append(jnp.sum(w.astype(jnp.float32) * xr[None, :], axis=1))
+                else:
+                    cols.append(jnp.sum(w.astype(jnp.float32) * xr[:, None], axis=0))
+            return acc + jnp.stack(cols) if M > 1 else acc + cols[0][None, :]
+        xmask = rows[:, None] & kmask[None, :] if mask_k else rows[:, None]
+        x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=xmask, other=0.0).astype(w.dtype)
+        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+        return acc + jax.lax.dot_general(x, w, dims, precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=jnp.float32)
+
+    acc = jnp.zeros((M if fma else Mp, BN), jnp.float32)
+    if unroll:
+        for i in range(chunks):
+            acc = body(jnp.int32(i), acc)
+    else:
+        acc = jax.lax.fori_loop(0, chunks, body, acc)
+    out_rows = M if fma else Mp
+    omask = (jnp.arange(out_rows, dtype=jnp.int32) < M)[:, None] & nmask[None, :]
+    oref = o_ref.at[s, pl.ds(0, out_rows), pl.ds(n0, BN)] if split > 1 else o_ref.at[pl.ds(0, out_rows), pl.ds(n0, BN)]
+    plgpu.store(oref, acc.astype(o_ref.dtype), mask=omask)
+
+
+def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,
+         config: GemvConfig | None = None, interpret: bool | None = None) -> jax.Array:
+    """x [M, K] @ W -> [M, N] with fp32 accumulation, M <= MAX_ROWS.
+
+    W: [K, N], or [N, K] with `transposed=True` (computes x @ W.T: a tied embedding as the LM head), or either stacked
+    [L, ...] with `layer` (a Python int or a traced scalar), never sliced. out_dtype: default x.dtype (float32 for the
+    LM head). interpret: None = interpret mode unless the default backend is a GPU."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got {x.shape}")
+    if w.ndim == 2:
+        w, layer = w[None], 0
+    elif w.ndim != 3:
+        raise ValueError(f"w must be [K, N] or [L, K, N], got {w.shape}")
+    elif layer is None:
+        raise ValueError("a stacked [L, K, N] weight needs `layer`")
+    M, K = x.shape
+    N = w.shape[1] if transposed else w.shape[2]
+    Kw = w.shape[2] if transposed else w.shape[1]
+    if Kw != K:
+        raise ValueError(f"x {x.shape} does not fit w {w.shape} (transposed={transposed})")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {M}")
+    cfg = config or default_config(M, K, N)
+    fma = cfg.mode == "fma" and M <= 8
+    Mp = max(16, _pow2(M))
+    BN = min(cfg.block_n, max(16, _pow2(N)))
+    BK = min(cfg.block_k, max(16, _pow2(K)))
+    total = pl.cdiv(K, BK)
+    split = max(1, min(cfg.split, total))
+    chunks = pl.cdiv(total, split)
+    split = pl.cdiv(total, chunks)  # no empty split
+    interp = use_interpret(interpret)
+    _log_path(interp, M, K, N, cfg)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    kernel = functools.partial(
+        _gemv_kernel, M=M, Mp=Mp, K=K, N=N, BN=BN, BK=BK, chunks=chunks, split=split, transposed=transposed, fma=fma,
+        unroll=cfg.unroll, mask_k=split * chunks * BK != K, mask_n=N % BN != 0)
+    part_dtype = jnp.float32 if split > 1 else out_dtype
+    out_shape = (split, M, N) if split > 1 else (M, N)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        out = pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(N, BN), split),
+            out_shape=jax.ShapeDtypeStruct(out_shape, part_dtype),
+            interpret=interp,
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            name=f"gemv_{'fma' if fma else 'dot'}_M{M}_BN{BN}_BK{BK}_S{split}{'_T' if transposed else ''}",
+        )(layer_arr, x, w)
+    if split > 1:
+        out = jnp.sum(out, axis=0).astype(out_dtype)
+    return out
+
+
+def gemv_reference(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None) -> jax.Array:
+    """Plain jnp: the same product through XLA with fp32 accumulation."""
+    if w.ndim == 3:
+        w = w[layer]
+    if transposed:
+        w = w.T
+    out = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(out_dtype or x.dtype)
