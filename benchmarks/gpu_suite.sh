@@ -79,6 +79,11 @@ for section in "$@"; do
     attention-sweep)  # the kernel's configs (block, splits, warps, stages) where splits matter most: B = 1, 8 at 8k context
       run attention-sweep python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 1 8 --ctx 8192 \
         --time-per-path 0.2 --out "$OUT/attention-sweep.json" ;;
+    decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
+      # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
+      run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;
+    decode-matmul-e2e)  # the engine's 1B decode step at B = 1, 32: matmul xla/pallas x params unfused/fused
+      run decode-matmul-e2e python3 benchmarks/decode_matmul.py --part e2e --out "$OUT/decode-matmul-e2e.json" ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done

@@ -39,6 +39,9 @@ class LLM:
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
     moe_backend: how MoE layers run: "warp_decode" (Pallas kernels), "expert_centric" (grouped GEMM) or "auto" (warp
     decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
+    matmul: how dense weight matmuls and the LM head run: "xla", "pallas" (pallas_kernels/gemv.py for decode-sized
+    steps, XLA above) or "auto" (models/matmul.py GPU_DEFAULT on GPU, XLA on CPU). Loaded weights are served in the
+    fused layout (one QKV and one gate+up matrix per layer, models/llama.py `fuse_params`).
     attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
     context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,
     whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static"; the
@@ -56,7 +59,7 @@ class LLM:
                  context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
-                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto"):
+                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto"):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
@@ -75,7 +78,7 @@ class LLM:
         else:
             loaded = load_model(model, dtype, cache=cache_converted, progress=progress)
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
-                                      unroll_layers=unroll_layers, moe_backend=moe_backend)
+                                      unroll_layers=unroll_layers, moe_backend=moe_backend, matmul=matmul, fuse=True)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
         if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer

@@ -79,14 +79,14 @@ def default_config(m: int, k: int, n: int) -> GemvConfig:
     Rule of thumb behind it: >= ~2 programs per SM, each keeping ~48-96 KiB of weight tiles in flight (3 stages of a
     [BK, BN] bf16 tile of 16-32 KiB); split K only when the column blocks alone give fewer than ~NUM_SMS programs.
 
-        M <= 4   fma, BN 64,  BK 256   (no tensor-core padding; per-row reductions)
-        M > 4    dot, BN 64,  BK 128   (x padded to 16/32/64 rows)
+        M <= 4   fma, BN 64, BK 128   (no tensor-core padding; per-row reductions; a [BK, BN] fp32 copy in registers)
+        M > 4    dot, BN 64, BK 128   (x padded to 16/32/64 rows)
         N >= 16384 (gate_up, LM head): BN 128, no split
         split = smallest power of two with (N / BN) * split >= NUM_SMS, capped so each split keeps >= 4 K chunks
     """
     fma = m <= 4
     bn = 128 if n >= 16384 else 64
-    bk = 256 if fma else 128
+    bk = 128
     split = 1
     while pl.cdiv(n, bn) * split < NUM_SMS and k // (2 * split) >= 4 * bk:
         split *= 2
@@ -119,49 +119,58 @@ def _log_path(interpret: bool, m: int, k: int, n: int, cfg: GemvConfig) -> None:
 
 def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
                  mask_k, mask_n):
+    # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
+    # mode keeps one [BN] accumulator per row (a tuple carry) instead of stacking rows into a non-power-of-two tile.
     j, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = j * BN
     nmask = n0 + jnp.arange(BN, dtype=jnp.int32) < N
-    rows = jnp.arange(Mp, dtype=jnp.int32) < M
     k_begin = s * (chunks * BK)
+    masked = mask_k or mask_n
 
     def body(i, acc):
         k0 = k_begin + i * BK
         kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
         if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
-            wref = w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)]
-            wmask = (nmask[:, None] if mask_n else True) & (kmask[None, :] if mask_k else True)
+            w = plgpu.load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)],
+                           mask=nmask[:, None] & kmask[None, :] if masked else None, other=0.0)
         else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
-            wref = w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)]
-            wmask = (kmask[:, None] if mask_k else True) & (nmask[None, :] if mask_n else True)
-        w = plgpu.load(wref, mask=None if wmask is True else wmask, other=0.0)
-        if fma:
-            cols = []
-            for r in range(M):  # static: M <= 4 rows, each one [BK] row of x
+            w = plgpu.load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)],
+                           mask=kmask[:, None] & nmask[None, :] if masked else None, other=0.0)
+        if fma:  # M <= 8 rows, each a [BK] slice of x, multiplied and reduced in fp32
+            wf = w.astype(jnp.float32)
+            out = []
+            for r in range(M):
                 xr = plgpu.load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], mask=kmask if mask_k else None, other=0.0)
                 xr = xr.astype(jnp.float32)
-                if transposed:
-                    cols.append(jnp.sum(w.astype(jnp.float32) * xr[None, :], axis=1))
-                else:
-                    cols.append(jnp.sum(w.astype(jnp.float32) * xr[:, None], axis=0))
-            return acc + jnp.stack(cols) if M > 1 else acc + cols[0][None, :]
-        xmask = rows[:, None] & kmask[None, :] if mask_k else rows[:, None]
-        x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=xmask, other=0.0).astype(w.dtype)
+                part = jnp.sum(wf * xr[None, :], axis=1) if transposed else jnp.sum(wf * xr[:, None], axis=0)
+                out.append(acc[r] + part)
+            return tuple(out)
+        rows = jnp.arange(Mp, dtype=jnp.int32) < M
+        x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        return acc + jax.lax.dot_general(x, w, dims, precision=jax.lax.Precision.HIGHEST,
+        return acc + jax.lax.dot_general(x.astype(w.dtype), w, dims, precision=jax.lax.Precision.HIGHEST,
                                          preferred_element_type=jnp.float32)
 
-    acc = jnp.zeros((M if fma else Mp, BN), jnp.float32)
+    if fma:
+        acc = tuple(jnp.zeros((BN,), jnp.float32) for _ in range(M))
+    else:
+        acc = jnp.zeros((Mp, BN), jnp.float32)
     if unroll:
         for i in range(chunks):
             acc = body(jnp.int32(i), acc)
     else:
         acc = jax.lax.fori_loop(0, chunks, body, acc)
-    out_rows = M if fma else Mp
-    omask = (jnp.arange(out_rows, dtype=jnp.int32) < M)[:, None] & nmask[None, :]
-    oref = o_ref.at[s, pl.ds(0, out_rows), pl.ds(n0, BN)] if split > 1 else o_ref.at[pl.ds(0, out_rows), pl.ds(n0, BN)]
-    plgpu.store(oref, acc.astype(o_ref.dtype), mask=omask)
+
+    def out_ref(*rows):
+        return o_ref.at[(s, *rows, pl.ds(n0, BN))] if split > 1 else o_ref.at[(*rows, pl.ds(n0, BN))]
+
+    if fma:
+        for r in range(M):
+            plgpu.store(out_ref(jnp.int32(r)), acc[r].astype(o_ref.dtype), mask=nmask)
+    else:
+        rows = jnp.arange(Mp, dtype=jnp.int32) < M
+        plgpu.store(out_ref(pl.ds(0, Mp)), acc.astype(o_ref.dtype), mask=rows[:, None] & nmask[None, :])
 
 
 def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,

@@ -12,6 +12,11 @@ Params layout (layers stacked on a leading axis so the layer loop is one `lax.sc
     final_norm   [D]
     lm_head      [D, V]          (absent when embeddings are tied)
 
+Serving layout (`fuse_params`, applied once when a model is built for the engine; loaders, checkpoints and
+`param_shapes` keep the layout above): wq|wk|wv -> wqkv [L, D, Hq*hd + 2*Hkv*hd] (bq|bk|bv -> bqkv) and
+w_gate|w_up -> w_gate_up [L, D, 2F], so a decode step reads each layer's input projections in one dot instead of
+three and two. `forward` branches on which keys are present.
+
 Mixture-of-experts variants (Qwen3-MoE, `cfg.num_experts > 0`) take the MLP weights out of `layers` and keep one stack
 per kind of layer, indexed by the layer's rank among its kind (forward in models/qwen3_moe.py):
 
@@ -87,11 +92,55 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
     walk(want, params, "")
 
 
-def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+# Serving-layout fusions: fused key -> the keys it concatenates along the last axis (in `layers`).
+FUSIONS = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_params(cfg: ModelConfig, params: Params, *, consume: bool = False) -> Params:
+    """The serving layout: returns params whose `layers` hold wqkv (+ bqkv) and, for dense MLPs, w_gate_up instead of
+    their parts (module docstring). Numpy leaves are concatenated on the host (before any device_put); device leaves
+    group by group on their device. consume=True pops the parts out of `params["layers"]` as it goes, so that (when
+    nothing else holds them) each group's parts are freed once its fused copy exists: the peak is the weights plus one
+    fused group, never a second copy of the model. Already-fused params come back unchanged."""
+    del cfg
+    src = params["layers"]
+    layers = dict(src)
+    for fused, parts in FUSIONS.items():
+        if fused in layers or not all(p in layers for p in parts):
+            continue
+        arrays = [layers.pop(p) for p in parts]
+        if consume:
+            for p in parts:
+                src.pop(p, None)
+        if all(isinstance(a, np.ndarray) for a in arrays):
+            layers[fused] = np.concatenate(arrays, axis=-1)
+        else:
+            layers[fused] = jnp.concatenate(arrays, axis=-1)
+        del arrays
+    return {**params, "layers": layers}
+
+
+def _split_last(x: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
+    bounds = np.cumsum(sizes)[:-1].tolist()
+    return jnp.split(x, bounds, axis=-1)
+
+
+def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+                           proj: Callable[[jax.Array, str], jax.Array] | None = None):
+    """q, k, v with RoPE (and qk-norm) applied. proj(h, key) is the weight matmul (default h @ lp[key])."""
     lead = h.shape[:-1]
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if proj is None:
+        def proj(h, key):
+            return h @ lp[key]
+    if "wqkv" in lp:
+        qkv = proj(h, "wqkv")
+        if cfg.qkv_bias:
+            qkv = qkv + lp["bqkv"]
+        q, k, v = _split_last(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size))
+    else:
+        q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
+        if cfg.qkv_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
@@ -110,14 +159,17 @@ def layer_groups(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
-            attend: Attend, unroll: bool = False, moe_backend: str = "auto") -> tuple[jax.Array, Any]:
+            attend: Attend, unroll: bool = False, moe_backend: str = "auto",
+            matmul: Callable | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
     Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer scan's carry
     (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
     into it and returns the attention output [..., Hq, hd]. `unroll` unrolls the layer loop: longer compiles, but no
     loop control between layers (on GPU each loop iteration is a synchronisation point for XLA). `moe_backend` only
-    matters for MoE configs (models/moe.py)."""
+    matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs the dense layers'
+    weight matmuls, given the stacked weight and the layer index; MoE configs ignore it. Params may be in the serving
+    layout (`fuse_params`) or not."""
     if cfg.num_experts:
         from jphoton.models import qwen3_moe
 
@@ -125,25 +177,44 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens]
 
+    stacked = params["layers"]
+
     def layer(carry, xs):
         x, kv = carry
         lp, index = xs
-        q, k, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+
+        def proj(h, key):
+            # The hook indexes the stack itself (a slice fed to a kernel would be copied); XLA's path is unchanged.
+            return h @ lp[key] if matmul is None else matmul(h, stacked[key], index)
+
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
         o, kv = attend(q, k, v, kv, index)
-        o = o.reshape(*x.shape[:-1], cfg.q_size) @ lp["wo"]
+        o = proj(o.reshape(*x.shape[:-1], cfg.q_size), "wo")
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+        if "w_gate_up" in lp:
+            gate, up = _split_last(proj(h, "w_gate_up"), (cfg.intermediate_size, cfg.intermediate_size))
+            x = x + proj(jax.nn.silu(gate) * up, "w_down")
+        elif matmul is None:
+            x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+        else:
+            x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
         return (x, kv), None
 
     (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
-def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
-    """Logits in float32 for hidden states [..., D]."""
+def lm_head(params: Params, hidden: jax.Array, matmul=None) -> jax.Array:
+    """Logits in float32 for hidden states [..., D]. matmul: None (XLA) or a hook with `.head(hidden [R, D], w,
+    transposed)` (models/matmul.py), which reads a tied embedding [V, D] as it lies (no transposed copy)."""
+    if matmul is not None and hidden.ndim == 2:
+        if "lm_head" in params:
+            return matmul.head(hidden, params["lm_head"], transposed=False)
+        return matmul.head(hidden, params["embed"], transposed=True)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 

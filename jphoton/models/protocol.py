@@ -21,6 +21,7 @@ from typing import Any
 
 from jphoton.config import ModelConfig
 from jphoton.models import llama, moe
+from jphoton.models import matmul as matmul_hook
 
 
 @dataclasses.dataclass
@@ -34,11 +35,23 @@ class JaxModel:
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
-                 moe_backend: str = "auto") -> JaxModel:
-    """The built-in families (dense Llama-likes and Qwen3-MoE); `moe_backend` picks how MoE layers run (models/moe.py)."""
+                 moe_backend: str = "auto", matmul: str = "xla", fuse: bool = False) -> JaxModel:
+    """The built-in families (dense Llama-likes and Qwen3-MoE); `moe_backend` picks how MoE layers run (models/moe.py).
+
+    matmul: how the dense layers' weight matmuls and the LM head run, "xla", "pallas" or "auto" (models/matmul.py).
+    fuse: put the params in the serving layout (`llama.fuse_params`: one QKV and one gate+up matrix per layer). It
+    takes the unfused matrices out of `params["layers"]` as it builds the fused ones (device memory peaks at the
+    weights plus one fused group); pass a copy (`{**params, "layers": dict(params["layers"])}`) to keep yours."""
     moe.check_backend(moe_backend)
+    mm = matmul_hook.make(matmul)
+    if fuse:
+        params = llama.fuse_params(config, params, consume=True)
 
     def forward(params, tokens, positions, kv, attend):
-        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend)
+        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend,
+                             matmul=mm)
 
-    return JaxModel(config, params, forward, llama.lm_head, tokenizer, name or config.name)
+    def logits(params, hidden):
+        return llama.lm_head(params, hidden, mm)
+
+    return JaxModel(config, params, forward, logits, tokenizer, name or config.name)

@@ -1,0 +1,83 @@
+"""The serving layout (fused QKV and gate+up, models/llama.py `fuse_params`) and the matmul hook (models/matmul.py:
+"xla" or the Pallas GEMV, interpret mode on the CPU) give the same model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphoton import SamplingParams
+from jphoton.config import ModelConfig
+from jphoton.models import llama
+from jphoton.models.matmul import PallasMatmul, resolve
+from jphoton.weights.random_init import random_params
+
+from conftest import FIXTURES, make_llm, tiny_reference
+
+CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=80, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=12, qkv_bias=True, o_bias=True, name="tiny-random")
+
+
+def _random(cfg):
+    params = random_params(cfg, jnp.float32, seed=int(np.random.default_rng().integers(1 << 30)))
+    # non-zero biases and norms, so that the fused biases are exercised too
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [a + 0.05 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _hidden(params, cfg, tokens, matmul=None, unroll=False):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    kv = tuple(llama.init_dense_kv(cfg, tokens.shape[0], tokens.shape[1], jnp.float32))
+    hidden, _ = llama.forward(params, cfg, tokens, positions, kv, llama.dense_attention(cfg, positions),
+                              unroll=unroll, matmul=matmul)
+    return np.asarray(hidden), np.asarray(llama.lm_head(params, hidden.reshape(-1, cfg.hidden_size), matmul))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
+    cfg = CFG.replace(tie_embeddings=tie)
+    params = _random(cfg)
+    tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    ref_h, ref_logits = _hidden(params, cfg, tokens)
+
+    host = jax.tree_util.tree_map(np.asarray, params)  # the host path: numpy leaves fused with numpy
+    fused = llama.fuse_params(cfg, host)
+    assert {"wqkv", "bqkv", "w_gate_up"} <= set(fused["layers"]) and "wq" not in fused["layers"]
+    assert fused["layers"]["wqkv"].shape == (2, 48, cfg.q_size + 2 * cfg.kv_size)
+    assert isinstance(fused["layers"]["wqkv"], np.ndarray) and "wq" in host["layers"]  # consume=False keeps the input
+    fused = jax.tree_util.tree_map(jnp.asarray, fused)
+    for matmul in (None, PallasMatmul(interpret=True)):
+        for p in (params, fused):
+            h, logits = _hidden(p, cfg, tokens, matmul, unroll=matmul is not None)
+            np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+    consumed = dict(params, layers=dict(params["layers"]))
+    again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict
+    assert "wq" not in consumed["layers"] and "w_up" not in consumed["layers"]
+    assert llama.fuse_params(cfg, again)["layers"].keys() == again["layers"].keys()
+
+
+def test_resolve_rejects_unknown_kinds():
+    assert resolve("auto") == "xla"  # CPU
+    with pytest.raises(ValueError):
+        resolve("cublas")
+
+
+def test_engine_greedy_tokens_with_pallas_matmul_match_xla_and_hf():
+    """A tiny HF checkpoint (Qwen2: QKV biases) through the engine, fused layout, decode steps through the GEMV
+    (interpret mode), prefill steps above the row threshold through XLA."""
+    ref = tiny_reference("qwen2")
+    n = len(ref[0][1])
+    greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
+    tokens = {}
+    for kind in ("xla", "pallas"):
+        llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False)
+        assert "wqkv" in llm.model.params["layers"]
+        tokens[kind] = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert tokens["pallas"] == tokens["xla"] == [t.tolist() for _, t, _ in ref]
