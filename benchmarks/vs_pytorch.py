@@ -1,0 +1,666 @@
+"""Same weights, same prompts, same GPU, one process: jphoton against the PyTorch path (HF transformers).
+
+One random weight set is made once, seeded: a `LlamaForCausalLM` built in torch on the device from a config of the
+chosen shape (HF's own random init, normal(0, 0.02); then every RMSNorm weight set to 1 + 0.1 * normal, so a loader
+that drops or misplaces a norm cannot hide behind all-ones). jphoton gets exactly those tensors through its own HF
+loader (`jphoton/weights/hf.py` `load_hf_dir`: config.json parsing, key mapping, transposes, tie check, stacking)
+with no disk round-trip for the weights: config.json is written to a temp dir, and the loader's `safe_open` reads the
+torch state dict (copied to host as bf16 numpy, linear weights transposed on the device first so the loader's
+transpose hands back contiguous arrays) instead of a safetensors file.
+
+Shapes: `1b` = Llama-3.2-1B (16 layers, hidden 2048, 32/8 heads, head_dim 64, ffn 8192, vocab 128256, tied
+embeddings, rope theta 500000 with llama3 scaling as in the real config); `8b` = Llama-3-8B (32 layers, hidden 4096,
+32/8 heads, ffn 14336, untied, rope theta 500000); `--smoke`: a 2-layer, hidden-64, vocab-512 Llama on CPU in float32.
+
+Cases: B requests of `--prompt-len` random token ids (default 128), `--new-tokens` each (default 128), greedy, for B
+in `--batch`; and, when B=1 is asked for, a context case "ctx512": B=1, prompt `--ctx-prompt` (384) + 128 new tokens.
+
+Rows (`--rows`):
+  hf-static          `model.generate` with `cache_implementation="static"`, which transformers 5 compiles itself on
+                     GPU (`compile_config`: torch.compile, mode reduce-overhead = CUDA graphs; one compile per B),
+                     greedy, exactly N new tokens (EOS disabled, min_new_tokens=N). Warm-up runs first. ms/step =
+                     (t(N new tokens) - t(1 new token)) / (N - 1); TTFT = t(1 new token) (prefill of the whole batch);
+                     tok/s = B * N / t(N). Medians of `--reps` runs.
+  hf-batch           `model.generate_batch` (continuous batching) with `--hf-batch-attn` (default "paged|eager", CUDA
+                     graphs on, async batching off: the best that image measured without flash-attn; "paged|sdpa" was
+                     ~98 ms/step at 1 request). It is slow, so it runs `--hf-batch-new-tokens` (default 64) tokens.
+                     One untimed call first (same requests, persistent manager where the version has it); then from
+                     per-token timestamps: ms/step = median over requests of (last - first token time) / (n - 1),
+                     TTFT = median(first token - request creation), tok/s = tokens / (last token - first creation).
+                     Without timestamps (older versions): wall-clock numbers, marked in the row.
+  jphoton-blocking   LLM(pipeline_depth=1), the engine's serving path (`benchmarks/common.py` timed_run: all requests
+  jphoton-pipelined  submitted at once, greedy, ignore_eos, one tick at a time): ms/step = median tick time of decode
+                     ticks; TTFT = median time to first token; tok/s = tokens / wall. Both rows share one engine (and
+                     so one set of compiled step shapes): `engine.depth` is switched between runs on the idle engine.
+                     Buckets are exactly what the cases need: decode buckets = the section's B values, prefill buckets
+                     (1, P) and (min(8, max B), P), one context bucket; the shapes are compiled by an untimed warm-up
+                     run of each case (so `compiles_during_run` should be 0). Default attention / matmul of the GPU
+                     (reported as `attention`).
+Every row also reports decode tok/s = B / ms_step and the floor = (weight bytes + KV bytes at the mean context) / read
+bandwidth, the bandwidth measured in the same run (`jnp.sum` over an 8 GiB bf16 array, benchmarks/common.py), and
+step / floor.
+
+Agreement (in every run with a jphoton row): for `--agree` prompts of the main prompt length, the last prompt position's
+logits of HF (eager forward) and of jphoton's first engine step (the step's float32 logits buffer), max|d| / max|ref|
+(target <= 2e-2 in bf16), and the number of matching leading tokens of the first 32 greedy tokens per prompt (HF eager
+`generate` vs the engine). Near-ties in bf16 random weights may diverge: reported, not asserted.
+
+Output: `--out DIR`: vs_pytorch_TAG.json (rows written as they finish, so a time-boxed run keeps what it measured), a
+markdown table on stdout and vs_pytorch_TAG.png (ms/step and decode tok/s vs B per row, one column per shape).
+`--merge A.json B.json ... --out DIR --tag all` joins sections into one table and plot.
+
+    python benchmarks/vs_pytorch.py --shape 1b --batch 1 8 32 128 --out /tmp/vs
+    python benchmarks/vs_pytorch.py --smoke --out /tmp/vs-smoke          # CPU, float32, needs torch + jax together
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import logging
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from unittest import mock
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU in this process
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+log = logging.getLogger("vs_pytorch")
+
+ROWS = ("hf-static", "hf-batch", "jphoton-blocking", "jphoton-pipelined")
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+SHAPES = {  # LlamaConfig kwargs (transformers 5 naming: rope_parameters)
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE,
+               bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+               max_position_embeddings=8192, tie_word_embeddings=False,
+               rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+               bos_token_id=128000, eos_token_id=[128001, 128009]),
+    "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                  tie_word_embeddings=True, rope_parameters={**_LLAMA3_ROPE, "original_max_position_embeddings": 256},
+                  bos_token_id=1, eos_token_id=[2]),
+}
+JPHOTON_PRESET = {"1b": "llama3.2-1b", "8b": "llama3-8b"}  # the random:NAME shapes the other benchmarks use
+
+
+# ---- the shared weights ---------------------------------------------------------------------------------------------
+def build_hf_model(shape: str, device: str, dtype, seed: int):
+    """HF's random init (seeded, on the device), then norms randomised around 1."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape])
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to(device=device, dtype=dtype).eval()
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32))
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa")
+    # EOS off: every HF row generates exactly N tokens, as jphoton does with ignore_eos.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _to_numpy(t):
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits (exact, no float32 copy)
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def torch_state_to_host(model) -> dict:
+    """The state dict as host numpy arrays in HF's layout ([out, in] weights). Weights the loader transposes are
+    transposed on the device first and handed over as transposed views, so the loader's `.T` yields contiguous arrays
+    (stacking them is then a plain copy)."""
+    from jphoton.weights import hf
+
+    out = {}
+    for key, t in model.state_dict().items():
+        m = hf._LAYER_KEY.match(key)
+        transposed = key == "lm_head.weight" or bool(m and hf._LAYER_MAP.get(m.group(2), (None, False))[1])
+        out[key] = _to_numpy(t.T.contiguous()).T if transposed else _to_numpy(t)
+    return out
+
+
+def jphoton_params_from_host(hf_config, arrays: dict, dtype):
+    """jphoton's HF loader on these arrays: config.json from a temp dir, tensors from memory instead of safetensors."""
+    from jphoton.models.llama import check_params
+    from jphoton.weights import hf
+
+    class _InMemory:  # the slice of safetensors.safe_open the loader uses
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def keys(self):
+            return list(arrays)
+
+        def get_tensor(self, key):
+            return arrays[key]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_config.to_json_file(str(pathlib.Path(tmp) / "config.json"))
+        with mock.patch.object(hf, "safe_open", _InMemory), \
+                mock.patch.object(hf, "safetensors_files", lambda path: [path / "state_dict (in memory)"]):
+            cfg, params = hf.load_hf_dir(pathlib.Path(tmp), dtype)
+    check_params(cfg, params)
+    return cfg, params
+
+
+def check_against_preset(shape: str, cfg) -> list[str]:
+    """Fields where the parsed config differs from jphoton's random:NAME preset of the same shape (should be none)."""
+    if shape not in JPHOTON_PRESET:
+        return []
+    from jphoton.weights.random_init import PRESETS
+
+    ref = PRESETS[JPHOTON_PRESET[shape]]
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "tie_embeddings")
+    return [f"{f}: {getattr(cfg, f)} vs preset {getattr(ref, f)}" for f in fields if getattr(cfg, f) != getattr(ref, f)]
+
+
+# ---- HF rows --------------------------------------------------------------------------------------------------------
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_static_case(model, prompts: list[list[int]], new_tokens: int, reps: int) -> dict:
+    import torch
+    from transformers.generation import CompileConfig
+
+    dev = model.device
+    ids = torch.tensor(prompts, device=dev)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, cache_implementation="static",
+              compile_config=CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead"), pad_token_id=0)
+
+    def run(n):
+        _sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync()
+        dt = time.perf_counter() - t0
+        if out.shape[1] - ids.shape[1] != n:
+            raise RuntimeError(f"generate made {out.shape[1] - ids.shape[1]} tokens, asked for {n}")
+        return dt
+
+    t0 = time.perf_counter()
+    run(new_tokens)  # compiles (this B), records the CUDA graphs
+    run(new_tokens)
+    run(1)
+    warm = time.perf_counter() - t0
+    t1 = statistics.median(run(1) for _ in range(reps))
+    tn = statistics.median(run(new_tokens) for _ in range(reps))
+    b = len(prompts)
+    return dict(ms_step=1e3 * (tn - t1) / max(1, new_tokens - 1), ttft_ms=1e3 * t1, tok_s=b * new_tokens / tn,
+                t_1_s=t1, t_n_s=tn, warmup_s=warm, new_tokens=new_tokens)
+
+
+def hf_batch_case(model, prompts: list[list[int]], new_tokens: int, attn: str) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    if hasattr(model, "set_attn_implementation") and model.config._attn_implementation != attn:
+        model.set_attn_implementation(attn)
+    cuda = torch.cuda.is_available()
+    options = dict(use_cuda_graph=cuda, use_async_batching=False, max_memory_percent=0.5, auto_switch_to_flash=False)
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sig = inspect.signature(model.generate_batch).parameters
+    kwargs = {}
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        ContinuousBatchingConfig = None
+    if ContinuousBatchingConfig is not None and "continuous_batching_config" in sig:
+        known = set(getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})) or set(
+            inspect.signature(ContinuousBatchingConfig).parameters)
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            **{k: v for k, v in options.items() if k in known})
+        used = {k: v for k, v in options.items() if k in known}
+    else:  # older API: the options live on the GenerationConfig
+        for k, v in options.items():
+            setattr(gen, k, v)
+        used = options
+    stamps = "record_timestamps" in sig
+    if stamps:
+        kwargs["record_timestamps"] = True
+    persistent = "persistent_manager" in sig
+    if persistent:
+        kwargs["persistent_manager"] = True
+
+    def call():
+        _sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res = model.generate_batch(inputs=prompts, generation_config=gen, **kwargs)
+        _sync()
+        return time.perf_counter() - t0, res
+
+    try:
+        warm_s, _ = call()  # untimed: lazy init, graph capture; the persistent manager is reused by the next call
+        wall, res = call()
+    finally:
+        if persistent and hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
+        if cuda:
+            torch.cuda.empty_cache()
+    outs = list(res.values())
+    errors = [o.error for o in outs if getattr(o, "error", None)]
+    if errors:
+        raise RuntimeError(f"generate_batch: {errors[0]}")
+    tokens = sum(len(o.generated_tokens) for o in outs)
+    row = dict(new_tokens=new_tokens, tokens=tokens, wall_s=wall, warmup_s=warm_s, attn=attn, options=used,
+               persistent_manager=persistent)
+    ts = [o for o in outs if getattr(o, "timestamps", None)]
+    if stamps and len(ts) == len(outs) and all(len(o.timestamps) == len(o.generated_tokens) for o in outs):
+        steps = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs if len(o.timestamps) > 1]
+        span = max(o.timestamps[-1] for o in outs) - min(o.created_time for o in outs)
+        row.update(timing="timestamps", ms_step=1e3 * statistics.median(steps),
+                   ttft_ms=1e3 * statistics.median(o.timestamps[0] - o.created_time for o in outs),
+                   tok_s=tokens / span)
+    else:
+        row.update(timing="wall (includes the manager's start-up)", ms_step=1e3 * wall / new_tokens, ttft_ms=None,
+                   tok_s=tokens / wall)
+    return row
+
+
+def hf_reference(model, prompts: list[list[int]], greedy_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Last prompt position's logits (eager forward) and the first greedy tokens (eager generate, dynamic cache)."""
+    import torch
+
+    ids = torch.tensor(prompts, device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[:, -1].float().cpu().numpy()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=greedy_tokens,
+                             min_new_tokens=greedy_tokens, pad_token_id=0)
+    return logits, out[:, ids.shape[1]:].cpu().numpy()
+
+
+# ---- jphoton rows ---------------------------------------------------------------------------------------------------
+def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, args):
+    import jax
+
+    from jphoton import LLM
+    from jphoton.models.protocol import llama_family
+
+    accelerator = jax.default_backend() != "cpu"
+    model = llama_family(cfg, params, None, f"vs_pytorch:{cfg.name}", unroll_layers=accelerator,
+                         matmul=args.matmul, fuse=True)  # what LLM(model=DIR) builds from a loaded checkpoint
+    max_b = max(batches)
+    rows = min(8, max_b)
+    prefill = tuple(sorted({(1, prompt_len), (rows, prompt_len)}))
+    page = 16
+    return LLM(model, max_model_len=max_len, pipeline_depth=1, page_size=page,
+               num_kv_pages=max(max_b, args.agree) * -(-max_len // page) + 8, max_num_seqs=max_b,
+               decode_buckets=tuple(sorted(set(batches))), prefill_buckets=prefill,
+               max_num_batched_tokens=rows * prompt_len + max_b, attention=args.attention, warmup=False,
+               progress=False)
+
+
+def jphoton_first_logits(llm, prompt: list[int]) -> np.ndarray:
+    """The float32 logits the engine's first step computed for the prompt's last position (prefill-only step, row 0)."""
+    import jax
+
+    from jphoton import SamplingParams
+
+    runner = llm.engine.runner
+    slot_index, steps = runner._next_slot, llm.engine.num_steps
+    [seq] = llm._make_sequences([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    llm._submit(seq)
+    while llm.engine.has_work():
+        llm._tick()
+    llm._outputs.pop(seq.request_id, None)
+    if llm.engine.num_steps != steps + 1:
+        raise RuntimeError(f"expected one engine step for a {len(prompt)}-token prompt, "
+                           f"got {llm.engine.num_steps - steps}")
+    return np.asarray(jax.device_get(runner.slots[slot_index].logits[0]))
+
+
+def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from jphoton import SamplingParams
+
+    seqs = llm._make_sequences(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    for s in seqs:
+        llm._submit(s)
+    while llm.engine.has_work():
+        llm._tick()
+    for s in seqs:
+        llm._outputs.pop(s.request_id, None)
+    return [list(s.output_ids) for s in seqs]
+
+
+def agreement(ref_logits: np.ndarray, ref_tokens: np.ndarray, llm, prompts: list[list[int]]) -> dict:
+    ours = np.stack([jphoton_first_logits(llm, p) for p in prompts])
+    rel = [float(np.max(np.abs(o - r)) / np.max(np.abs(r))) for o, r in zip(ours, ref_logits, strict=True)]
+    argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref_logits, strict=True)]
+    toks = jphoton_greedy(llm, prompts, ref_tokens.shape[1])
+    lead = []
+    for mine, ref in zip(toks, ref_tokens.tolist(), strict=True):
+        k = 0
+        while k < min(len(mine), len(ref)) and mine[k] == ref[k]:
+            k += 1
+        lead.append(k)
+    return dict(prompts=len(prompts), logits_rel_err=rel, logits_rel_err_max=max(rel), first_token_same=argmax_same,
+                greedy_tokens=ref_tokens.shape[1], greedy_matching_lead=lead, target=2e-2)
+
+
+def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> dict:
+    from benchmarks.common import timed_run
+    from jphoton import SamplingParams
+
+    llm.engine.depth = depth  # an idle engine: the next ticks run blocking (1) or pipelined (2)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    timed_run(llm, prompts, params, guard=False)  # untimed twin: compiles exactly the shapes this case steps through
+    warm = time.perf_counter() - t0
+    r = timed_run(llm, prompts, params)
+    return dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
+                wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
+                compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention)
+
+
+# ---- output ---------------------------------------------------------------------------------------------------------
+def kv_bytes(shape_cfg: dict, batch: int, ctx: float, itemsize: int) -> float:
+    return (batch * ctx * shape_cfg["num_hidden_layers"] * 2 * shape_cfg["num_key_value_heads"]
+            * shape_cfg["head_dim"] * itemsize)
+
+
+def table(results: list[dict]) -> str:
+    head = ("| shape | row | case | B | ms/step | decode tok/s | tok/s (e2e) | TTFT ms | floor ms | step/floor |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    order = {r: i for i, r in enumerate(ROWS)}
+    for r in sorted(results, key=lambda r: (r["shape"], r["case"].startswith("ctx"), r["batch"], order.get(r["row"], 9))):
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['row']} | {r['case']} | {r['batch']} | "
+                         f"{'error: ' + r['error'][:60] if 'error' in r else 'skipped: ' + r['skipped']} "
+                         "| | | | | |")
+            continue
+
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+
+        lines.append(f"| {r['shape']} | {r['row']} | {r['case']} | {r['batch']} | {f(r['ms_step'], '.3f')} | "
+                     f"{f(r.get('decode_tok_s'), ',.0f')} | {f(r['tok_s'], ',.0f')} | {f(r['ttft_ms'], '.1f')} | "
+                     f"{f(r.get('floor_ms'), '.3f')} | {f(r.get('step_over_floor'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(path: pathlib.Path, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "ms_step" in r and not r["case"].startswith("ctx")]
+    shapes = sorted({r["shape"] for r in ok})
+    if not shapes:
+        return
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False)
+    for j, shape in enumerate(shapes):
+        for row in ROWS:
+            pts = sorted((r["batch"], r["ms_step"], r["decode_tok_s"]) for r in ok if r["shape"] == shape and r["row"] == row)
+            if pts:
+                b, ms, tps = zip(*pts, strict=True)
+                axes[0, j].plot(b, ms, "o-", label=row)
+                axes[1, j].plot(b, tps, "o-", label=row)
+        floor = sorted((r["batch"], r["floor_ms"]) for r in ok if r["shape"] == shape and r.get("floor_ms")
+                       and r["row"].startswith("jphoton"))
+        if floor:
+            b, fl = zip(*dict(floor).items(), strict=True)
+            axes[0, j].plot(b, fl, "k--", label="HBM floor")
+        axes[0, j].set_title(f"{shape}: ms per decode step (lower is better)")
+        axes[1, j].set_title(f"{shape}: decode tok/s = B / ms per step")
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch B")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(out: pathlib.Path, tag: str, payload: dict) -> pathlib.Path:
+    from benchmarks.common import write_json
+
+    p = out / f"vs_pytorch_{tag}.json"
+    write_json(p, payload)
+    return p
+
+
+def merge(files: list[str], out: pathlib.Path, tag: str) -> None:
+    results, meta = {}, []
+    for f in files:
+        d = json.loads(pathlib.Path(f).read_text())
+        meta.append({k: d.get(k) for k in ("info", "args", "read_bandwidth_Bps", "agreement", "handoff")})
+        for r in d.get("results", []):
+            results[(r["shape"], r["row"], r["case"])] = r  # later files win
+    rows = list(results.values())
+    write(out, tag, {"sections": meta, "results": rows})
+    print(table(rows))
+    plot(out / f"vs_pytorch_{tag}.png", rows)
+
+
+# ---- main -----------------------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b")
+    ap.add_argument("--smoke", action="store_true", help="tiny Llama on CPU in float32 (checks the plumbing)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 8 32 128 (smoke: 1 4)")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (smoke: 16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (smoke: 8)")
+    ap.add_argument("--ctx-prompt", type=int, default=None,
+                    help="prompt of the B=1 context case (default 384, i.e. context 512 with 128 new tokens; 0: off)")
+    ap.add_argument("--hf-batch-new-tokens", type=int, default=64)
+    ap.add_argument("--hf-batch-attn", default="paged|eager")
+    ap.add_argument("--agree", type=int, default=4, help="prompts in the agreement check (0: off)")
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--attention", default="auto", help="jphoton attention (default: the engine's own choice)")
+    ap.add_argument("--matmul", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=420.0,
+                    help="seconds after which cases not yet started are skipped (0: no limit)")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tag", default=None, help="output file suffix (default: the shape)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join earlier runs' JSON files")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merge(args.merge, out, args.tag or "all")
+        return
+    T0 = time.perf_counter()
+    shape = "smoke" if args.smoke else args.shape
+    smoke = args.smoke
+    batches = sorted(set(args.batch or ([1, 4] if smoke else [1, 8, 32, 128])))
+    P = args.prompt_len or (16 if smoke else 128)
+    N = args.new_tokens or (8 if smoke else 128)
+    ctx_prompt = args.ctx_prompt if args.ctx_prompt is not None else (24 if smoke else 384)
+    hf_batch_n = min(args.hf_batch_new_tokens, N)
+    tag = args.tag or shape
+
+    import torch
+
+    if smoke:
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    tdtype = torch.float32 if device == "cpu" else torch.bfloat16
+    jdtype = "float32" if device == "cpu" else "bfloat16"
+    for knob in ("cache_size_limit", "recompile_limit"):  # one compile per B (and per context) of the static cache
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+
+    rng = np.random.default_rng(args.seed)
+    vocab = SHAPES[shape]["vocab_size"]
+    prompts = rng.integers(0, vocab, (max(batches), P)).tolist()
+    cases = [(f"B={b}", b, prompts[:b], N) for b in batches]
+    if 1 in batches and ctx_prompt:
+        cases.append((f"ctx{ctx_prompt + N}", 1, rng.integers(0, vocab, (1, ctx_prompt)).tolist(), N))
+    agree_prompts = rng.integers(0, vocab, (args.agree, P)).tolist() if args.agree else []
+    itemsize = 4 if device == "cpu" else 2
+
+    t = time.perf_counter()
+    model = build_hf_model(shape, device, tdtype, args.seed)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding counted once
+    import transformers
+
+    payload = dict(info=dict(torch=torch.__version__, transformers=transformers.__version__, device=device,
+                             gpu=torch.cuda.get_device_name() if device == "cuda" else None),
+                   args=vars(args), shape=shape, shape_config=SHAPES[shape], weight_bytes=weight_bytes,
+                   results=[], handoff={"hf_build_s": time.perf_counter() - t})
+    log.info("HF %s model built on %s in %.1fs (%.2f GB)", shape, device, payload["handoff"]["hf_build_s"],
+             weight_bytes / 1e9)
+    results = payload["results"]
+
+    def over_budget() -> bool:
+        return bool(args.time_budget) and time.perf_counter() - T0 > args.time_budget
+
+    def record(row: str, case, fn) -> None:
+        label, b, ps, n = case
+        base = dict(shape=shape, row=row, case=label, batch=b, prompt_len=len(ps[0]), new_tokens=n)
+        if over_budget():
+            results.append({**base, "skipped": f"time budget {args.time_budget:.0f}s"})
+            log.warning("%s %s: skipped (time budget)", row, label)
+            return
+        t0 = time.perf_counter()
+        try:
+            r = {**base, **fn()}
+        except Exception as e:  # one row failing (an API the installed version lacks, OOM) leaves the others
+            log.exception("%s %s failed", row, label)
+            r = {**base, "error": f"{type(e).__name__}: {e}"}
+        r["section_s"] = time.perf_counter() - t0
+        if "ms_step" in r:
+            r["decode_tok_s"] = b / (r["ms_step"] / 1e3)
+        results.append(r)
+        log.info("%s %s: %s", row, label, {k: v for k, v in r.items() if k not in ("options",)})
+        write(out, tag, payload)
+
+    # 1. HF rows, while torch holds the device alone.
+    for case in cases:
+        if "hf-static" in args.rows:
+            record("hf-static", case, lambda c=case, m=model: hf_static_case(m, c[2], c[3], args.reps))
+    for case in cases:
+        if "hf-batch" in args.rows:
+            record("hf-batch", case,
+                   lambda c=case, m=model: hf_batch_case(m, c[2], min(hf_batch_n, c[3]), args.hf_batch_attn))
+    if hasattr(model, "set_attn_implementation") and model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+
+    jp_rows = [r for r in ("jphoton-blocking", "jphoton-pipelined") if r in args.rows]
+    ref = hf_reference(model, agree_prompts, args.greedy_tokens) if jp_rows and agree_prompts else None
+
+    # 2. Hand the weights over, free torch's device memory, then JAX.
+    arrays = None
+    if jp_rows:
+        t = time.perf_counter()
+        arrays = torch_state_to_host(model)
+        payload["handoff"]["torch_to_host_s"] = time.perf_counter() - t
+    hf_config = model.config
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    from benchmarks.common import device_info, read_bandwidth
+
+    payload["info"].update(device_info())
+    bw = read_bandwidth(gib=1 / 16 if smoke else 8.0, reps=3 if smoke else 10)
+    payload["read_bandwidth_Bps"] = bw
+    log.info("read bandwidth %.2f TB/s", bw / 1e12)
+
+    if jp_rows:
+        t = time.perf_counter()
+        cfg, params = jphoton_params_from_host(hf_config, arrays, jdtype)
+        import jax
+
+        jax.block_until_ready(params)
+        del arrays
+        gc.collect()
+        payload["handoff"]["jphoton_load_s"] = time.perf_counter() - t
+        diffs = check_against_preset(shape, cfg)
+        payload["config_vs_preset"] = diffs
+        payload["jphoton_config"] = json.loads(cfg.to_json())
+        if diffs:
+            log.warning("parsed config differs from jphoton's preset: %s", diffs)
+        log.info("weights handed to jphoton: %s", payload["handoff"])
+        max_len = max(len(c[2][0]) + c[3] for c in cases)
+        if ref is not None:
+            max_len = max(max_len, P + args.greedy_tokens)
+        t = time.perf_counter()
+        llm = make_llm(cfg, params, batches, P, max_len, args)
+        del params
+        payload["handoff"]["llm_build_s"] = time.perf_counter() - t
+        payload["attention"] = llm.attention
+        if ref is not None and not over_budget():
+            try:
+                payload["agreement"] = agreement(ref[0], ref[1], llm, agree_prompts)
+            except Exception as e:
+                log.exception("agreement check failed")
+                payload["agreement"] = {"error": f"{type(e).__name__}: {e}"}
+            log.info("agreement: %s", payload["agreement"])
+            write(out, tag, payload)
+        for case in cases:
+            for row in jp_rows:
+                record(row, case, lambda c=case, row=row: jphoton_case(
+                    llm, c[2], c[3], 1 if row == "jphoton-blocking" else 2))
+
+    # 3. Floors (the same bandwidth for every row), table, plot.
+    for r in results:
+        if "ms_step" in r and r["ms_step"]:
+            r["floor_ms"] = 1e3 * (weight_bytes + kv_bytes(SHAPES[shape], r["batch"], r["prompt_len"]
+                                                          + r["new_tokens"] / 2, itemsize)) / bw
+            r["step_over_floor"] = r["ms_step"] / r["floor_ms"]
+    payload["total_s"] = time.perf_counter() - T0
+    path = write(out, tag, payload)
+    print(f"\n{shape}: weights {weight_bytes / 1e9:.2f} GB, read bandwidth {bw / 1e12:.2f} TB/s, "
+          f"jphoton attention {payload.get('attention')}, weight hand-off {payload['handoff']}")
+    if "agreement" in payload:
+        print(f"agreement: {payload['agreement']}")
+    print(table(results))
+    plot(out / f"vs_pytorch_{tag}.png", results)
+    print(f"wrote {path} and {out / f'vs_pytorch_{tag}.png'} in {payload['total_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
