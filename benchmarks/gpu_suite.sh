@@ -84,6 +84,29 @@ for section in "$@"; do
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;
     decode-matmul-e2e)  # the engine's 1B decode step at B = 1, 32: matmul xla/pallas x params unfused/fused
       run decode-matmul-e2e python3 benchmarks/decode_matmul.py --part e2e --out "$OUT/decode-matmul-e2e.json" ;;
+    # issue 8 item 3: jphoton vs HF transformers on the same random bf16 weights, same prompts, same GPU, one process
+    # (benchmarks/vs_pytorch.py: weights built in torch, handed to jphoton's HF loader in memory). One section per shape x
+    # rows x B group: torch.compile compiles once per B, jphoton compiles each step shape a case needs (~30-45 s a shape
+    # for the 1B cold, more for the 8B), and each script stops starting cases after --time-budget s. `vs-pytorch-report`
+    # joins the sections' JSON into one table and plot ($OUT/vs_pytorch_all.{json,png}).
+    vs-pytorch-1b-hf-static|vs-pytorch-1b-hf-batch|vs-pytorch-8b-hf-batch)  # B = 1 8 32 128 and the B=1 context-512 case
+      s=${section#vs-pytorch-}
+      run "$section" python3 benchmarks/vs_pytorch.py --shape "${s%%-*}" --rows "hf-${s#*-hf-}" --batch 1 8 32 128 \
+        --time-budget 400 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-8b-hf-static-small|vs-pytorch-8b-hf-static-large)  # 8B compiles take longer: B 1, 8 (+ context 512) | 32, 128
+      b="1 8"; [ "$section" = vs-pytorch-8b-hf-static-large ] && b="32 128"
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows hf-static --batch $b --time-budget 400 \
+        --out "$OUT" --tag "$section" ;;
+    vs-pytorch-1b-jp-small|vs-pytorch-1b-jp-large)  # jphoton blocking + pipelined, and the logits/greedy agreement
+      b="1 8"; [ "$section" = vs-pytorch-1b-jp-large ] && b="32 128"
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows jphoton-blocking jphoton-pipelined --batch $b \
+        --time-budget 400 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-8b-jp-b1|vs-pytorch-8b-jp-b8|vs-pytorch-8b-jp-b32|vs-pytorch-8b-jp-b128)  # one B per section (b1: + context 512)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows jphoton-blocking jphoton-pipelined \
+        --batch "${section#vs-pytorch-8b-jp-b}" --time-budget 400 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-report)
+      run vs-pytorch-report python3 benchmarks/vs_pytorch.py --merge "$OUT"/vs_pytorch_vs-pytorch-*.json --out "$OUT" \
+        --tag all ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done

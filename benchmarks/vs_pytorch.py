@@ -333,23 +333,30 @@ def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, arg
                progress=False)
 
 
-def jphoton_first_logits(llm, prompt: list[int]) -> np.ndarray:
-    """The float32 logits the engine's first step computed for the prompt's last position (prefill-only step, row 0)."""
+def jphoton_first_logits(llm, prompts: list[list[int]]) -> np.ndarray:
+    """The float32 logits the engine's first step computed for each prompt's last position: all prompts in one
+    prefill-only step (rows 0..n-1 of the step's logits buffer) when one prefill bucket and max_num_seqs hold them,
+    else one step per prompt."""
     import jax
 
     from jphoton import SamplingParams
 
+    sched = llm.engine.scheduler.config
+    if len(prompts) > 1 and (len(prompts) > sched.max_num_seqs or len(prompts) > max(r for r, _ in sched.prefill_buckets)
+                             or max(map(len, prompts)) > sched.max_prefill_chunk):
+        return np.concatenate([jphoton_first_logits(llm, [p]) for p in prompts])
     runner = llm.engine.runner
     slot_index, steps = runner._next_slot, llm.engine.num_steps
-    [seq] = llm._make_sequences([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    llm._submit(seq)
+    seqs = llm._make_sequences(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    for s in seqs:
+        llm._submit(s)
     while llm.engine.has_work():
         llm._tick()
-    llm._outputs.pop(seq.request_id, None)
+    for s in seqs:
+        llm._outputs.pop(s.request_id, None)
     if llm.engine.num_steps != steps + 1:
-        raise RuntimeError(f"expected one engine step for a {len(prompt)}-token prompt, "
-                           f"got {llm.engine.num_steps - steps}")
-    return np.asarray(jax.device_get(runner.slots[slot_index].logits[0]))
+        raise RuntimeError(f"expected one engine step for {len(prompts)} prompt(s), got {llm.engine.num_steps - steps}")
+    return np.asarray(jax.device_get(runner.slots[slot_index].logits[:len(prompts)]))
 
 
 def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -366,7 +373,7 @@ def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def agreement(ref_logits: np.ndarray, ref_tokens: np.ndarray, llm, prompts: list[list[int]]) -> dict:
-    ours = np.stack([jphoton_first_logits(llm, p) for p in prompts])
+    ours = jphoton_first_logits(llm, prompts)
     rel = [float(np.max(np.abs(o - r)) / np.max(np.abs(r))) for o, r in zip(ours, ref_logits, strict=True)]
     argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref_logits, strict=True)]
     toks = jphoton_greedy(llm, prompts, ref_tokens.shape[1])
@@ -497,6 +504,8 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="jphoton attention (default: the engine's own choice)")
     ap.add_argument("--matmul", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="auto: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--time-budget", type=float, default=420.0,
                     help="seconds after which cases not yet started are skipped (0: no limit)")
     ap.add_argument("--out", default=".")
@@ -525,8 +534,8 @@ def main() -> None:
     if smoke:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    tdtype = torch.float32 if device == "cpu" else torch.bfloat16
-    jdtype = "float32" if device == "cpu" else "bfloat16"
+    dtype = args.dtype if args.dtype != "auto" else "float32" if device == "cpu" else "bfloat16"
+    tdtype, jdtype = getattr(torch, dtype), dtype
     for knob in ("cache_size_limit", "recompile_limit"):  # one compile per B (and per context) of the static cache
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
@@ -538,7 +547,7 @@ def main() -> None:
     if 1 in batches and ctx_prompt:
         cases.append((f"ctx{ctx_prompt + N}", 1, rng.integers(0, vocab, (1, ctx_prompt)).tolist(), N))
     agree_prompts = rng.integers(0, vocab, (args.agree, P)).tolist() if args.agree else []
-    itemsize = 4 if device == "cpu" else 2
+    itemsize = 4 if dtype == "float32" else 2
 
     t = time.perf_counter()
     model = build_hf_model(shape, device, tdtype, args.seed)
@@ -600,7 +609,10 @@ def main() -> None:
     del model
     gc.collect()
     if device == "cuda":
+        torch._dynamo.reset()  # drops the compiled forwards and their CUDA graph memory pools
+        gc.collect()
         torch.cuda.empty_cache()
+        payload["info"]["torch_gpu_bytes_after_free"] = torch.cuda.memory_reserved()
 
     from benchmarks.common import device_info, read_bandwidth
 
