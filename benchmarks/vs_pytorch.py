@@ -612,7 +612,13 @@ def main() -> None:
         model.set_attn_implementation("sdpa")
 
     jp_rows = [r for r in ("jphoton-blocking", "jphoton-pipelined") if r in args.rows]
-    ref = hf_reference(model, agree_prompts, args.greedy_tokens) if jp_rows and agree_prompts else None
+    ref = None
+    if jp_rows and agree_prompts:
+        try:
+            ref = hf_reference(model, agree_prompts, args.greedy_tokens)
+        except Exception as e:
+            log.exception("HF reference for the agreement check failed")
+            payload["agreement"] = {"error": f"HF reference: {type(e).__name__}: {e}"}
 
     # 2. Hand the weights over, free torch's device memory, then JAX.
     arrays = None
