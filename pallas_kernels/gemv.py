@@ -40,6 +40,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import log_once, use_interpret  # noqa: F401 (use_interpret: public here)
+from pallas_kernels.common import next_pow2 as _pow2
+
 log = logging.getLogger("jphoton.kernels")
 
 MAX_ROWS = 64  # most activation rows one call takes (an [Mp, BN] fp32 accumulator lives in registers)
@@ -93,28 +96,13 @@ def default_config(m: int, k: int, n: int) -> GemvConfig:
     return GemvConfig(block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=3, mode="fma" if fma else "dot")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def use_interpret(interpret: bool | None) -> bool:
-    if interpret is not None:
-        return interpret
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
-
-
 def path_name(interpret: bool | None = None) -> str:
     return "Pallas GEMV, interpret mode (no GPU)" if use_interpret(interpret) else "Pallas GEMV (Triton) on GPU"
 
 
-_logged: set = set()
-
-
 def _log_path(interpret: bool, m: int, k: int, n: int, cfg: GemvConfig) -> None:
-    key = (interpret, m, k, n, cfg)
-    if key not in _logged:
-        _logged.add(key)
-        log.info("gemv [%d, %d] x [%d, %d]: %s, %s", m, k, k, n, path_name(interpret), cfg.short())
+    log_once(log, ("gemv", interpret, m, k, n, cfg), "gemv [%d, %d] x [%d, %d]: %s, %s", m, k, k, n,
+             path_name(interpret), cfg.short())
 
 
 def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,

@@ -55,6 +55,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import log_once
+from pallas_kernels.common import next_pow2 as _pow2
+from pallas_kernels.common import use_interpret as _use_interpret
+
 log = logging.getLogger("jphoton.kernels")
 
 # Most tokens one kernel call takes: gate_up keeps a [tokens, BF] fp32 accumulator pair in registers. Larger steps
@@ -100,24 +104,9 @@ def default_config(tokens: int, num_experts: int, top_k: int, hidden: int, inter
     return WarpDecodeConfig()
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _use_interpret(interpret: bool | None) -> bool:
-    if interpret is not None:
-        return interpret
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
-
-
-_logged: set = set()
-
-
 def _log_path(interpret: bool, what: str) -> None:
-    key = (interpret, what)
-    if key not in _logged:
-        _logged.add(key)
-        log.info("warp-decode MoE %s: %s", what, "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
+    log_once(log, ("moe_warp_decode", interpret, what), "warp-decode MoE %s: %s", what,
+             "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
 
 
 def _loop(n: int, body, carry, unroll: bool):

@@ -55,6 +55,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import log_once
+from pallas_kernels.common import next_pow2 as _pow2
+from pallas_kernels.common import use_interpret as _use_interpret
+
 log = logging.getLogger("jphoton.kernels")
 
 NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
@@ -89,29 +93,13 @@ def default_config(rows: int, num_kv_heads: int, max_tokens: int) -> PagedDecode
     return PagedDecodeConfig(block_tokens=block, splits=splits)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def _use_interpret(interpret: bool | None) -> bool:
-    if interpret is not None:
-        return interpret
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
-
-
-_logged: set = set()
-
-
 def _log_path(interpret: bool, what: str) -> None:
-    key = (interpret, what)
-    if key not in _logged:
-        _logged.add(key)
-        log.info("paged decode attention %s: %s", what,
-                 "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
+    log_once(log, ("paged_decode_attention", interpret, what), "paged decode attention %s: %s", what,
+             "Pallas interpret mode (no GPU)" if interpret else "Pallas Triton on GPU")
 
 
 def path_name(interpret: bool | None = None) -> str:
