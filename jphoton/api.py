@@ -44,8 +44,8 @@ class LLM:
     fused layout (one QKV and one gate+up matrix per layer, models/llama.py `fuse_params`).
     attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
     context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,
-    whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static"; the
-    GPU default; interpret mode, slow, on CPU) or "auto".
+    whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static";
+    opt-in until it has run on a GPU; interpret mode, slow, on CPU) or "auto" ("static" on GPU, "dynamic" on CPU).
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
