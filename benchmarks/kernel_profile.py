@@ -16,6 +16,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import sys
 import tempfile
 import time
@@ -41,6 +42,14 @@ def run_steps(runner, shape: StepShape, n: int) -> float:
         runner._next_slot ^= 1
     jax.block_until_ready(runner.kv)
     return (time.perf_counter() - t0) / n
+
+
+def compiled_text(runner, shape: StepShape) -> str:
+    """The optimized HLO of the step that `run_steps` runs (same arguments, so the same executable)."""
+    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    slot = runner.slots[runner._next_slot]
+    return runner._step.lower(shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits,
+                              packed).compile().as_text()
 
 
 def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str]]:
@@ -69,6 +78,24 @@ def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str
                 for kind in kinds:
                     totals[kind][ev.name] += ev.duration_ns
     return totals, lines_seen
+
+
+def fusion_bodies(hlo: str, names: list[str], max_lines: int = 12) -> dict[str, str]:
+    """For each kernel name (an XLA fusion's instruction name with '.' written '_'), the fusion's instruction line and
+    the first lines of the computation it calls: what a kernel called `input_reduce_fusion_35` actually computes."""
+    out = {}
+    for name in names:
+        m = re.search(r"^\s*(?:ROOT )?%?(" + re.escape(name).replace("_", "[._]") + r") = (.*)$", hlo, re.M)
+        if not m:
+            continue
+        text = m.group(0).strip()[:600]
+        called = re.search(r"calls=%?([\w.\-]+)", m.group(2))
+        if called:
+            body = re.search(r"^%?" + re.escape(called.group(1)) + r" .*?\{\n(.*?)^\}", hlo, re.M | re.S)
+            if body:
+                text += "\n" + "\n".join(line[:300] for line in body.group(1).splitlines()[:max_lines])
+        out[name] = text
+    return out
 
 
 def main() -> None:
@@ -102,6 +129,7 @@ def main() -> None:
         shape = next(s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
                      and s.prefill_rows == (1 if t else 0))
         run_steps(runner, shape, 3)
+        hlo = compiled_text(runner, shape)
         wall = run_steps(runner, shape, args.steps)
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
@@ -119,7 +147,13 @@ def main() -> None:
                 print("   none found; trace lines:", lines[:20])
             for name, us in top:
                 print(f"   {us:9.1f} us  {us / busy:6.1%}  {name[:110]}")
-            row[kind] = dict(busy_us=busy, count=len(per_step), top=dict(top))
+            # every kernel is kept in the JSON (the printout shows --top): the tail is where launch overhead hides
+            row[kind] = dict(busy_us=busy, count=len(per_step), top=dict(top),
+                             all=dict(sorted(per_step.items(), key=lambda kv: -kv[1])))
+        kernels = list(row["kernels"]["all"])[:args.top]
+        row["fusions"] = fusion_bodies(hlo, kernels)
+        for name in kernels[:6]:
+            print(f"\n  -- {name}:\n" + row["fusions"].get(name, "(not found in the compiled HLO)"), flush=True)
         rows.append(row)
     if args.out:
         write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows})
