@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import device_info, read_bandwidth, write_json  # noqa: E402
+from jphoton.models.matmul import two_row_dot  # noqa: E402
 from pallas_kernels import gemv as gv  # noqa: E402
 
 # name: (K, N, unfused N parts, transposed weight)
@@ -112,6 +113,8 @@ def _paths(x, w, ws, wparts, configs, *, transposed, out_dtype, head, interpret)
         return jnp.dot(x, wi, preferred_element_type=jnp.float32).astype(out_dtype)
 
     paths = {"xla": (jax.jit(lambda x, ws: [xla_dot(x, wi) for wi in ws]), (x, ws))}
+    if x.shape[0] == 1 and not head:  # the engine's "xla" kind: a one-token step as two rows (models/matmul.py)
+        paths["xla 2-row"] = (jax.jit(lambda x, ws: [two_row_dot(x, wi).astype(out_dtype) for wi in ws]), (x, ws))
     if wparts:
         paths["xla_unfused"] = (jax.jit(lambda x, wp: [[xla_dot(x, p) for p in ps] for ps in wp]), (x, wparts))
     for c in configs:
@@ -196,7 +199,7 @@ def _print_best(rows: list[dict]) -> None:
                                                                        else 0, k[1]))
     for shape, m in keys:
         ok = [r for r in rows if r["shape"] == shape and r["M"] == m and "us" in r and "argmax" not in r["path"]]
-        xla = [r for r in ok if r["path"] in ("xla", "xla_unfused")]
+        xla = [r for r in ok if r["path"] in ("xla", "xla_unfused", "xla 2-row")]
         pal = [r for r in ok if r["path"].startswith("pallas")]
         bx = min(xla, key=lambda r: r["us"], default=None)
         bp = min(pal, key=lambda r: r["us"], default=None)
@@ -215,7 +218,7 @@ def run_e2e(args) -> list[dict]:
     spec = "random:llama3.2-1b:layers=2:vocab=512" if args.smoke else "random:llama3.2-1b"
     rows = []
     for variant in args.variants:
-        matmul, layout = variant.split("-")
+        matmul, layout = variant.rsplit("-", 1)
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -255,8 +258,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
-    ap.add_argument("--variants", nargs="+", default=["xla-unfused", "xla-fused", "pallas-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL xla|pallas, LAYOUT unfused|fused")
+    ap.add_argument("--variants", nargs="+", default=["xla-plain-fused", "xla-fused", "pallas-fused"],
+                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py), LAYOUT unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
@@ -269,7 +272,7 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        if v not in ("xla-unfused", "xla-fused", "pallas-unfused", "pallas-fused"):
+        if v.rsplit("-", 1)[0] not in ("xla", "xla-plain", "pallas") or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

@@ -105,6 +105,11 @@ def _log_path(interpret: bool, m: int, k: int, n: int, cfg: GemvConfig) -> None:
              path_name(interpret), cfg.short())
 
 
+def _load(ref, mask):
+    # Triton refuses `other` without a mask (an unmasked tile is the fast path, so it must stay maskless)
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+
 def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
                  mask_k, mask_n):
     # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
@@ -120,16 +125,14 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks,
         k0 = k_begin + i * BK
         kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
         if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
-            w = plgpu.load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)],
-                           mask=nmask[:, None] & kmask[None, :] if masked else None, other=0.0)
+            w = _load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)], nmask[:, None] & kmask[None, :] if masked else None)
         else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
-            w = plgpu.load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)],
-                           mask=kmask[:, None] & nmask[None, :] if masked else None, other=0.0)
+            w = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)], kmask[:, None] & nmask[None, :] if masked else None)
         if fma:  # M <= 8 rows, each a [BK] slice of x, multiplied and reduced in fp32
             wf = w.astype(jnp.float32)
             out = []
             for r in range(M):
-                xr = plgpu.load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], mask=kmask if mask_k else None, other=0.0)
+                xr = _load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], kmask if mask_k else None)
                 xr = xr.astype(jnp.float32)
                 part = jnp.sum(wf * xr[None, :], axis=1) if transposed else jnp.sum(wf * xr[:, None], axis=0)
                 out.append(acc[r] + part)

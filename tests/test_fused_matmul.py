@@ -11,7 +11,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.config import ModelConfig
 from jphoton.models import llama
-from jphoton.models.matmul import PallasMatmul, resolve
+from jphoton.models.matmul import PallasMatmul, XlaMatmul, resolve
 from jphoton.weights.random_init import random_params
 
 from conftest import FIXTURES, make_llm, tiny_reference
@@ -62,8 +62,19 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
     assert llama.fuse_params(cfg, again)["layers"].keys() == again["layers"].keys()
 
 
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 2)])
+def test_two_row_dot_matches_plain_dot(lead):
+    """The one-token padding of the "xla" kind: same product, same shape, for one row and for several."""
+    kx, kw = jax.random.split(jax.random.key(len(lead) * 10 + lead[-1]))
+    x = jax.random.normal(kx, (*lead, 48), jnp.float32)
+    w = jax.random.normal(kw, (4, 48, 40), jnp.float32)
+    out = jax.jit(lambda x, w: XlaMatmul()(x, w, 2))(x, w)
+    assert out.shape == (*lead, 40)
+    np.testing.assert_allclose(out, x @ w[2], rtol=1e-5, atol=1e-5)
+
+
 def test_resolve_rejects_unknown_kinds():
-    assert resolve("auto") == "xla"  # CPU
+    assert resolve("auto") == "xla-plain"  # CPU
     with pytest.raises(ValueError):
         resolve("cublas")
 

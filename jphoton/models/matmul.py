@@ -1,6 +1,12 @@
-"""How the dense layers' weight matmuls run: "xla" (plain `@`) or "pallas" (the decode GEMV in pallas_kernels/gemv.py for
-steps of at most `max_rows` tokens, XLA above). Chosen once, when the model is built (models/protocol.py llama_family,
-`LLM(matmul=...)`).
+"""How the dense layers' weight matmuls run: "xla" (XLA dots, a one-token step computed as two rows), "xla-plain" (the
+model's plain `@`), or "pallas" (the decode GEMV in pallas_kernels/gemv.py for steps of at most `max_rows` tokens, XLA
+above). Chosen once, when the model is built (models/protocol.py llama_family, `LLM(matmul=...)`).
+
+Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
+hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
+turned Llama-3.2-1B's QKV and O projections at batch 1 into ~21 us each (~0.4 TB/s) instead of a GEMM; a two-row dot is
+not a vector and stays a GEMM (kernel profile in benchmarks/RESULTS.md). The zero row costs one extra row of a
+bandwidth-bound product, i.e. nothing measurable.
 
 The hook takes the *stacked* weight [L, K, N] and the layer index: a Pallas call fed a slice of the stack would make XLA
 materialise the slice (a copy of every weight, doubling the step's HBM traffic); the kernel indexes the stack itself.
@@ -15,7 +21,7 @@ import jax.numpy as jnp
 
 log = logging.getLogger("jphoton")
 
-KINDS = ("auto", "xla", "pallas")
+KINDS = ("auto", "xla", "xla-plain", "pallas")
 # "auto" resolves to this on GPU; XLA until benchmarks/decode_matmul.py has measured the GEMV on the H100.
 GPU_DEFAULT = "xla"
 # Most tokens in a step for which "pallas" uses the GEMV (first guess: the sweep measures M = 1, 8, 32).
@@ -25,9 +31,40 @@ PALLAS_MAX_ROWS = 32
 def resolve(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"matmul must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    if kind == "auto":
-        return GPU_DEFAULT if jax.default_backend() != "cpu" else "xla"
+    if kind == "auto":  # the CPU backend never strength-reduces dots: nothing to pad there
+        return GPU_DEFAULT if jax.default_backend() != "cpu" else "xla-plain"
     return kind
+
+
+def _rows(x: jax.Array) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    return n
+
+
+def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N]; a single row goes through the dot as two (a zero row added and dropped). The barrier keeps
+    XLA from sinking the slice into the dot, which would make it a vector dot again."""
+    if _rows(x) != 1:
+        return x @ w
+    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+    out = jax.lax.optimization_barrier(x2 @ w)
+    return out[:1].reshape(*x.shape[:-1], w.shape[-1])
+
+
+class XlaMatmul:
+    """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
+    a GEMM at any row count, so it is a plain dot."""
+
+    def __init__(self):
+        log.info("dense matmuls: XLA (one-token steps as two rows)")
+
+    def __call__(self, x: jax.Array, w: jax.Array, layer) -> jax.Array:
+        return two_row_dot(x, w[layer])
+
+    def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+        return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
 
 
 class PallasMatmul:
@@ -40,17 +77,11 @@ class PallasMatmul:
         self.interpret = interpret
         log.info("dense matmuls: %s for steps of <= %d tokens, XLA above", gemv.path_name(interpret), self.max_rows)
 
-    def _rows(self, x: jax.Array) -> int:
-        n = 1
-        for d in x.shape[:-1]:
-            n *= d
-        return n
-
     def __call__(self, x: jax.Array, w: jax.Array, layer) -> jax.Array:
         """x [..., K] @ w[layer] for a stacked w [L, K, N]."""
         from pallas_kernels.gemv import gemv
 
-        if self._rows(x) > self.max_rows:
+        if _rows(x) > self.max_rows:
             return x @ w[layer]
         out = gemv(x.reshape(-1, x.shape[-1]), w, layer, interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -59,15 +90,15 @@ class PallasMatmul:
         """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
         from pallas_kernels.gemv import gemv
 
-        if self._rows(hidden) > self.max_rows:
+        if _rows(hidden) > self.max_rows:
             return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
         return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
 
 
-def make(kind: str, interpret: bool | None = None) -> PallasMatmul | None:
-    """None for XLA (the model's plain `@` code path, unchanged), else the Pallas hook."""
+def make(kind: str, interpret: bool | None = None) -> XlaMatmul | PallasMatmul | None:
+    """None for "xla-plain" (the model's plain `@` code path, unchanged), else the hook."""
     kind = resolve(kind)
-    if kind == "xla":
-        log.info("dense matmuls: XLA")
+    if kind == "xla-plain":
+        log.info("dense matmuls: XLA (plain)")
         return None
-    return PallasMatmul(interpret=interpret)
+    return XlaMatmul() if kind == "xla" else PallasMatmul(interpret=interpret)
