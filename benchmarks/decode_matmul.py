@@ -225,10 +225,14 @@ def run_e2e(args) -> list[dict]:
                                  fuse=layout == "fused")
             del loaded
             B = max(args.batch)
-            llm = LLM(model, max_model_len=256, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
-                      prefill_buckets=((1, 32),), warmup=False, progress=False)
+            # attention over one static context bucket of --ctx tokens (the engine's GPU default; every variant the
+            # same), so that the step differs between variants only in its matmuls
+            pages = -(-args.ctx // 16)
+            llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
+                      prefill_buckets=((1, 32),), attention="static", context_buckets=(pages,), warmup=False,
+                      progress=False)
             for b in args.batch:
-                llm.engine.runner.layout(StepShape(b, 0, 0))
+                llm.engine.runner.layout(StepShape(b, 0, 0, pages))
                 t0 = time.perf_counter()
                 ms = device_step_ms(llm, b, reps=args.step_reps)
                 row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
@@ -261,6 +265,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-plain-fused", "xla-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py), LAYOUT unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
+    ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
     if args.smoke:

@@ -39,13 +39,14 @@ class LLM:
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
     moe_backend: how MoE layers run: "warp_decode" (Pallas kernels), "expert_centric" (grouped GEMM) or "auto" (warp
     decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
-    matmul: how dense weight matmuls and the LM head run: "xla", "pallas" (pallas_kernels/gemv.py for decode-sized
-    steps, XLA above) or "auto" (models/matmul.py GPU_DEFAULT on GPU, XLA on CPU). Loaded weights are served in the
+    matmul: how dense weight matmuls and the LM head run: "xla" (one-token steps padded to two rows, see
+    models/matmul.py), "xla-plain", "pallas" (pallas_kernels/gemv.py for decode-sized steps and matrices below 10M
+    elements, XLA otherwise) or "auto" ("pallas" on GPU, "xla-plain" on CPU). Loaded weights are served in the
     fused layout (one QKV and one gate+up matrix per layer, models/llama.py `fuse_params`).
     attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
     context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,
     whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static";
-    opt-in until it has run on a GPU; interpret mode, slow, on CPU) or "auto" ("static" on GPU, "dynamic" on CPU).
+    interpret mode, slow, on CPU) or "auto" ("pallas" on GPU, "dynamic" on CPU).
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
@@ -65,10 +66,10 @@ class LLM:
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
         accelerator = jax.default_backend() != "cpu"
         if attention == "auto":
-            # On GPU an XLA data-dependent loop would sync the host every iteration: static context buckets there.
-            # attention="pallas" (the Pallas decode kernel) becomes the GPU default once it has compiled and been
-            # measured on the H100; until then it is opt-in.
-            attention = "static" if accelerator else "dynamic"
+            # GPU: decode rows through the Pallas kernel (1.4-3.2x the static gather on the H100, RESULTS.md), prefill
+            # rows over static context buckets (an XLA data-dependent loop would sync the host every iteration).
+            # CPU: the plain-JAX loop (the kernel would run in interpret mode there: correct, slow).
+            attention = "pallas" if accelerator else "dynamic"
         if attention not in ("static", "dynamic", "pallas"):
             raise ValueError(f"attention must be 'auto', 'static', 'dynamic' or 'pallas', got {attention!r}")
         if unroll_layers is None:

@@ -20,8 +20,8 @@ measured on the H100"): cuBLAS/Triton GEMM configs are tuned for FLOPs, with too
   stacked weights: W may be [L, K, N] with a traced `layer` index, so a layer loop never slices the stack into a copy
       (an XLA slice feeding a custom call is materialised: it would double the weight traffic).
 
-Config per (M, K, N): `default_config` is a table that is a FIRST GUESS until the sweep in benchmarks/decode_matmul.py
-runs on the H100 (then replace it by the measured winners). Output dtype: x.dtype, or float32 (`out_dtype`, the LM head).
+Config per (M, K, N): `default_config`, the measured winners of the sweep in benchmarks/decode_matmul.py on the H100.
+Output dtype: x.dtype, or float32 (`out_dtype`, the LM head).
 
 Like pallas_kernels/moe_warp_decode.py: Triton backend because it runs in interpret mode on the CPU (jax 0.10.2, the
 tests) and compiles on the H100 (jax 0.11.2) with masked loads and stores, so odd sizes need no padding copies.
@@ -77,23 +77,22 @@ NUM_SMS = 132  # H100 SXM; only shapes the first-guess table
 
 
 def default_config(m: int, k: int, n: int) -> GemvConfig:
-    """First guess until the sweep runs on the H100 (benchmarks/decode_matmul.py --out, then put the winners here).
+    """The sweep's winners on the H100 (benchmarks/decode_matmul.py, Llama-3.2-1B shapes, M = 1/8/32; RESULTS.md):
 
-    Rule of thumb behind it: >= ~2 programs per SM, each keeping ~48-96 KiB of weight tiles in flight (3 stages of a
-    [BK, BN] bf16 tile of 16-32 KiB); split K only when the column blocks alone give fewer than ~NUM_SMS programs.
-
-        M <= 4   fma, BN 64, BK 128   (no tensor-core padding; per-row reductions; a [BK, BN] fp32 copy in registers)
-        M > 4    dot, BN 64, BK 128   (x padded to 16/32/64 rows)
-        N >= 16384 (gate_up, LM head): BN 128, no split
+        dot, BN 64, BK 128 (x padded to 16/32/64 rows; "fma" lost to it at every shape but one, by < 15% there)
+        N >= 16384 (gate_up, LM head): BN 128
         split = smallest power of two with (N / BN) * split >= NUM_SMS, capped so each split keeps >= 4 K chunks
-    """
-    fma = m <= 4
+            (S4 on QKV and O, S2 on gate_up, S8 on down: each the fastest split measured)
+
+    i.e. >= ~1 program per SM, each keeping ~48 KiB of weight tiles in flight (3 stages of a 16-32 KiB tile).
+    `m` is unused: the same config won at M = 1, 8 and 32."""
+    del m
     bn = 128 if n >= 16384 else 64
     bk = 128
     split = 1
     while pl.cdiv(n, bn) * split < NUM_SMS and k // (2 * split) >= 4 * bk:
         split *= 2
-    return GemvConfig(block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=3, mode="fma" if fma else "dot")
+    return GemvConfig(block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=3, mode="dot")
 
 
 def path_name(interpret: bool | None = None) -> str:

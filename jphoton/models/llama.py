@@ -184,8 +184,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         lp, index = xs
 
         def proj(h, key):
-            # The hook indexes the stack itself (a slice fed to a kernel would be copied); XLA's path is unchanged.
-            return h @ lp[key] if matmul is None else matmul(h, stacked[key], index)
+            # The hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into the GEMM) and
+            # the stack + index (what a kernel should read: a slice fed to a custom call is materialised, i.e. copied).
+            return h @ lp[key] if matmul is None else matmul(h, lp[key], stacked[key], index)
 
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)

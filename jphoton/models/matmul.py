@@ -22,10 +22,14 @@ import jax.numpy as jnp
 log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "pallas")
-# "auto" resolves to this on GPU; XLA until benchmarks/decode_matmul.py has measured the GEMV on the H100.
-GPU_DEFAULT = "xla"
-# Most tokens in a step for which "pallas" uses the GEMV (first guess: the sweep measures M = 1, 8, 32).
+# "auto" resolves to this on GPU: the GEMV for the small matrices (QKV, O), XLA for the rest (RESULTS.md, issue 8).
+GPU_DEFAULT = "pallas"
+# Most tokens in a step for which "pallas" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
+# Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
+# the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
+# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
+PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
 
 
 def resolve(kind: str) -> str:
@@ -60,8 +64,10 @@ class XlaMatmul:
     def __init__(self):
         log.info("dense matmuls: XLA (one-token steps as two rows)")
 
-    def __call__(self, x: jax.Array, w: jax.Array, layer) -> jax.Array:
-        return two_row_dot(x, w[layer])
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
+        """x [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here). Indexing the
+        stack here instead would not fuse: measured on the H100, it copied every layer's weights (+60% step time)."""
+        return two_row_dot(x, w)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
@@ -70,27 +76,30 @@ class XlaMatmul:
 class PallasMatmul:
     """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU."""
 
-    def __init__(self, max_rows: int = PALLAS_MAX_ROWS, interpret: bool | None = None):
+    def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
+                 interpret: bool | None = None):
         from pallas_kernels import gemv
 
         self.max_rows = min(max_rows, gemv.MAX_ROWS)
+        self.max_weight_elements = max_weight_elements
         self.interpret = interpret
-        log.info("dense matmuls: %s for steps of <= %d tokens, XLA above", gemv.path_name(interpret), self.max_rows)
+        log.info("dense matmuls: %s for steps of <= %d tokens and weights of <= %d elements, XLA (one-token steps as "
+                 "two rows) otherwise", gemv.path_name(interpret), self.max_rows, max_weight_elements)
 
-    def __call__(self, x: jax.Array, w: jax.Array, layer) -> jax.Array:
-        """x [..., K] @ w[layer] for a stacked w [L, K, N]."""
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
+        """x [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer` instead."""
         from pallas_kernels.gemv import gemv
 
-        if _rows(x) > self.max_rows:
-            return x @ w[layer]
-        out = gemv(x.reshape(-1, x.shape[-1]), w, layer, interpret=self.interpret)
+        if _rows(x) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
+            return two_row_dot(x, w)
+        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
         from pallas_kernels.gemv import gemv
 
-        if _rows(hidden) > self.max_rows:
+        if _rows(hidden) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
             return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
         return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
 
