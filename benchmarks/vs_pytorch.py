@@ -305,16 +305,31 @@ def hf_batch_case(model, prompts: list[list[int]], new_tokens: int, attn: str) -
     return row
 
 
-def hf_reference(model, prompts: list[list[int]], greedy_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Last prompt position's logits (eager forward) and the first greedy tokens (eager generate, dynamic cache)."""
+def hf_reference(model, prompts: list[list[int]], greedy_tokens: int) -> dict:
+    """Last prompt position's logits (eager forward) and the first greedy tokens (eager generate, dynamic cache), in the
+    model's dtype and, for a bf16 model, also in float32 (the same weights upcast in place and cast back, exactly):
+    random bf16 weights give near-uniform logits with near-ties, so the float32 run is the yardstick that both bf16
+    implementations are measured against."""
     import torch
 
     ids = torch.tensor(prompts, device=model.device)
-    with torch.no_grad():
-        logits = model(ids).logits[:, -1].float().cpu().numpy()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=greedy_tokens,
-                             min_new_tokens=greedy_tokens, pad_token_id=0)
-    return logits, out[:, ids.shape[1]:].cpu().numpy()
+
+    def run():
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float().cpu().numpy()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, pad_token_id=0)
+        return logits, out[:, ids.shape[1]:].cpu().numpy()
+
+    ref = dict(zip(("logits", "tokens"), run(), strict=True))
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        model.float()
+        try:
+            ref["logits_fp32"], ref["tokens_fp32"] = run()
+        finally:
+            model.to(dtype)
+    return ref
 
 
 # ---- jphoton rows ---------------------------------------------------------------------------------------------------
@@ -377,19 +392,33 @@ def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(s.output_ids) for s in seqs]
 
 
-def agreement(ref_logits: np.ndarray, ref_tokens: np.ndarray, llm, prompts: list[list[int]]) -> dict:
+def _lead(a: list[int], b: list[int]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _rel(a: np.ndarray, ref: np.ndarray) -> list[float]:
+    return [float(np.max(np.abs(x - r)) / np.max(np.abs(r))) for x, r in zip(a, ref, strict=True)]
+
+
+def agreement(ref: dict, llm, prompts: list[list[int]]) -> dict:
     ours = jphoton_first_logits(llm, prompts)
-    rel = [float(np.max(np.abs(o - r)) / np.max(np.abs(r))) for o, r in zip(ours, ref_logits, strict=True)]
-    argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref_logits, strict=True)]
-    toks = jphoton_greedy(llm, prompts, ref_tokens.shape[1])
-    lead = []
-    for mine, ref in zip(toks, ref_tokens.tolist(), strict=True):
-        k = 0
-        while k < min(len(mine), len(ref)) and mine[k] == ref[k]:
-            k += 1
-        lead.append(k)
-    return dict(prompts=len(prompts), logits_rel_err=rel, logits_rel_err_max=max(rel), first_token_same=argmax_same,
-                greedy_tokens=ref_tokens.shape[1], greedy_matching_lead=lead, target=2e-2)
+    rel = _rel(ours, ref["logits"])
+    argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref["logits"], strict=True)]
+    toks = jphoton_greedy(llm, prompts, ref["tokens"].shape[1])
+    out = dict(prompts=len(prompts), logits_rel_err=rel, logits_rel_err_max=max(rel), first_token_same=argmax_same,
+               greedy_tokens=ref["tokens"].shape[1],
+               greedy_matching_lead=[_lead(m, r) for m, r in zip(toks, ref["tokens"].tolist(), strict=True)],
+               target=2e-2)
+    if "logits_fp32" in ref:  # each bf16 implementation against the float32 run of the same weights
+        f32, t32 = ref["logits_fp32"], ref["tokens_fp32"].tolist()
+        out.update(
+            jphoton_vs_fp32_rel_err=_rel(ours, f32), hf_bf16_vs_fp32_rel_err=_rel(ref["logits"], f32),
+            jphoton_vs_fp32_greedy_lead=[_lead(m, r) for m, r in zip(toks, t32, strict=True)],
+            hf_bf16_vs_fp32_greedy_lead=[_lead(m, r) for m, r in zip(ref["tokens"].tolist(), t32, strict=True)])
+    return out
 
 
 def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> dict:
@@ -667,7 +696,7 @@ def main() -> None:
         payload["attention"] = llm.attention
         if ref is not None and not over_budget():
             try:
-                payload["agreement"] = agreement(ref[0], ref[1], llm, agree_prompts)
+                payload["agreement"] = agreement(ref, llm, agree_prompts)
             except Exception as e:
                 log.exception("agreement check failed")
                 payload["agreement"] = {"error": f"{type(e).__name__}: {e}"}
