@@ -53,5 +53,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32 and rounded once to x.dtype. A plain bf16 `@` lets XLA:GPU reduce split-K partial
+    sums in bf16 (its "reduced precision reduction"): on the H100 that left the 1B model's logits ~2x further from a
+    float32 run than HF's bf16 path was (benchmarks/vs_pytorch.py agreement, RESULTS.md). The cast fuses into the
+    GEMM's epilogue, so nothing wider than x.dtype reaches HBM."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)

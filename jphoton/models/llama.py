@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, swiglu
 
 Params = dict[str, Any]
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -131,7 +131,7 @@ def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions
     lead = h.shape[:-1]
     if proj is None:
         def proj(h, key):
-            return h @ lp[key]
+            return dense(h, lp[key])
     if "wqkv" in lp:
         qkv = proj(h, "wqkv")
         if cfg.qkv_bias:
@@ -186,7 +186,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         def proj(h, key):
             # The hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into the GEMM) and
             # the stack + index (what a kernel should read: a slice fed to a custom call is materialised, i.e. copied).
-            return h @ lp[key] if matmul is None else matmul(h, lp[key], stacked[key], index)
+            return dense(h, lp[key]) if matmul is None else matmul(h, lp[key], stacked[key], index)
 
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)

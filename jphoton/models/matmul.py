@@ -19,6 +19,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jphoton.models.layers import dense
+
 log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "pallas")
@@ -51,9 +53,9 @@ def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N]; a single row goes through the dot as two (a zero row added and dropped). The barrier keeps
     XLA from sinking the slice into the dot, which would make it a vector dot again."""
     if _rows(x) != 1:
-        return x @ w
+        return dense(x, w)
     x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-    out = jax.lax.optimization_barrier(x2 @ w)
+    out = jax.lax.optimization_barrier(dense(x2, w))
     return out[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 

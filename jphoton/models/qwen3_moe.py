@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jphoton.config import ModelConfig
 from jphoton.models import moe
-from jphoton.models.layers import rms_norm, rope_inv_freq, swiglu
+from jphoton.models.layers import dense, rms_norm, rope_inv_freq, swiglu
 from jphoton.models.llama import Attend, Params, _attention_projections
 
 
@@ -30,7 +30,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     def attention(x, kv, lp, index):
         q, kk, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
         o, kv = attend(q, kk, v, kv, index)
-        o = o.reshape(*x.shape[:-1], cfg.q_size) @ lp["wo"]
+        o = dense(o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"])
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
