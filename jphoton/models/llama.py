@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, swiglu
+from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, silu_mul, swiglu
 
 Params = dict[str, Any]
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -198,11 +198,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         if "w_gate_up" in lp:
             gate, up = _split_last(proj(h, "w_gate_up"), (cfg.intermediate_size, cfg.intermediate_size))
-            x = x + proj(jax.nn.silu(gate) * up, "w_down")
+            x = x + proj(silu_mul(gate, up), "w_down")
         elif matmul is None:
             x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
         else:
-            x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+            x = x + proj(silu_mul(proj(h, "w_gate"), proj(h, "w_up")), "w_down")
         return (x, kv), None
 
     (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
