@@ -101,6 +101,15 @@ JPHOTON_PRESET = {"1b": "llama3.2-1b", "8b": "llama3-8b"}  # the random:NAME sha
 
 
 # ---- the shared weights ---------------------------------------------------------------------------------------------
+def _fp32_rotary(model) -> None:
+    import torch
+
+    rotary = model.model.rotary_emb
+    with torch.device(rotary.inv_freq.device):
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
 def build_hf_model(shape: str, device: str, dtype, seed: int):
     """HF's random init (seeded, on the device), then norms randomised around 1."""
     import torch
@@ -116,6 +125,10 @@ def build_hf_model(shape: str, device: str, dtype, seed: int):
     finally:
         torch.set_default_dtype(prev)
     model = model.to(device=device, dtype=dtype).eval()
+    # `.to(dtype)` also rounds the RoPE inverse frequencies (a buffer) to bf16, which shifts every rotation angle by up
+    # to ~0.4% x position: a different model from the checkpoint's. `from_pretrained(dtype=bf16)` keeps them float32
+    # (computed with an explicit float dtype, never cast), so do as it does: a fresh rotary module, built in float32.
+    _fp32_rotary(model)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -329,6 +342,7 @@ def hf_reference(model, prompts: list[list[int]], greedy_tokens: int) -> dict:
             ref["logits_fp32"], ref["tokens_fp32"] = run()
         finally:
             model.to(dtype)
+            _fp32_rotary(model)  # `.to` rounded the RoPE frequencies again
     return ref
 
 

@@ -54,17 +54,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w accumulated in float32 and rounded once to x.dtype. A plain bf16 `@` lets XLA:GPU reduce split-K partial
-    sums in bf16 (its "reduced precision reduction"): on the H100 that left the 1B model's logits ~2x further from a
-    float32 run than HF's bf16 path was (benchmarks/vs_pytorch.py agreement, RESULTS.md). The cast fuses into the
-    GEMM's epilogue, so nothing wider than x.dtype reaches HBM."""
+    """x @ w accumulated in float32 and rounded once to x.dtype, as torch's cuBLAS GEMMs do: the rounding then does
+    not depend on which GEMM emitter or split-K XLA picks for a shape. The cast fuses into the GEMM's epilogue, so
+    nothing wider than x.dtype reaches HBM."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up in float32, rounded once to gate.dtype. In bf16, XLA rounds after every elementwise op of the
-    sigmoid (exp, add, divide) and after the product, where torch's fused kernels round once per op: computed that
-    way, jphoton's bf16 logits sat ~2x further from a float32 run than HF's (vs_pytorch agreement, RESULTS.md)."""
+    """silu(gate) * up in float32, rounded once to gate.dtype. Written as bf16 ops, XLA rounds after each of the
+    sigmoid's exp, add and divide and after the product."""
     g = gate.astype(jnp.float32)
     return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
