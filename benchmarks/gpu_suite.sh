@@ -89,6 +89,9 @@ for section in "$@"; do
     # rows x B group: torch.compile compiles once per B, jphoton compiles each step shape a case needs (~30-45 s a shape
     # for the 1B cold, more for the 8B), and each script stops starting cases after --time-budget s. `vs-pytorch-report`
     # joins the sections' JSON into one table and plot ($OUT/vs_pytorch_all.{json,png}).
+    vs-pytorch-1b-b1)  # the headline case in one process: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
+        --batch 1 --time-budget 400 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-hf-static|vs-pytorch-1b-hf-batch|vs-pytorch-8b-hf-batch)  # B = 1 8 32 128 and the B=1 context-512 case
       s=${section#vs-pytorch-}
       run "$section" python3 benchmarks/vs_pytorch.py --shape "${s%%-*}" --rows "hf-${s#*-hf-}" --batch 1 8 32 128 \
