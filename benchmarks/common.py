@@ -37,6 +37,24 @@ def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
     return bw
 
 
+def decode_step_input(runner, shape, context: int = 0) -> jax.Array:
+    """The packed input of a decode-only step (on the device) whose rows each attend over `context` tokens held on
+    pages of their own, as in serving. `context=0`: every row on the trash page at position 0 (the layout's padding),
+    which makes attention nearly free and, through the static gather, keeps every KV read in L2. Page tables cycle
+    through the pool, so size it (num_kv_pages >= rows x pages) for the reads to be distinct."""
+    ps = runner.static.page_size
+    views = runner.layout(shape).empty(runner.static.trash_page)
+    if context:
+        pages = -(-context // ps)
+        if pages > runner.static.pages_per_seq:
+            raise ValueError(f"context {context} needs {pages} pages; a row holds {runner.static.pages_per_seq}")
+        real = runner.static.trash_page  # pages 0 .. trash_page - 1 are the pool's own
+        for i in range(shape.decode_rows):
+            views["d_table"][i, :pages] = (i * pages + np.arange(pages)) % real
+        views["d_pos"][:] = context - 1
+    return jax.device_put(views["_buffer"], runner.device)
+
+
 def param_bytes(params) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
 

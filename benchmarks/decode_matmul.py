@@ -230,11 +230,11 @@ def run_e2e(args) -> list[dict]:
             pages = -(-args.ctx // 16)
             llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
                       prefill_buckets=((1, 32),), attention="static", context_buckets=(pages,), warmup=False,
-                      progress=False)
+                      num_kv_pages=B * pages + 8, progress=False)
             for b in args.batch:
                 llm.engine.runner.layout(StepShape(b, 0, 0, pages))
                 t0 = time.perf_counter()
-                ms = device_step_ms(llm, b, reps=args.step_reps)
+                ms = device_step_ms(llm, b, reps=args.step_reps, context=args.ctx)
                 row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
                 rows.append(row)
                 print(f"e2e {variant:<16} B={b:<3} {ms:7.3f} ms/step", flush=True)

@@ -25,14 +25,14 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, write_json  # noqa: E402
+from benchmarks.common import decode_step_input, device_info, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
 from jphoton.engine.step import StepShape  # noqa: E402
 
 
-def run_steps(runner, shape: StepShape, n: int) -> float:
-    """n steps of `shape` back to back (padding inputs: every row on the trash page); seconds per step."""
-    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+def run_steps(runner, shape: StepShape, n: int, context: int) -> float:
+    """n steps of `shape` back to back, decode rows attending over `context` tokens each; seconds per step."""
+    packed = decode_step_input(runner, shape, context if not shape.prefill_rows else 0)
     t0 = time.perf_counter()
     for _ in range(n):
         slot = runner.slots[runner._next_slot]
@@ -46,7 +46,7 @@ def run_steps(runner, shape: StepShape, n: int) -> float:
 
 def compiled_text(runner, shape: StepShape) -> str:
     """The optimized HLO of the step that `run_steps` runs (same arguments, so the same executable)."""
-    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    packed = decode_step_input(runner, shape)
     slot = runner.slots[runner._next_slot]
     return runner._step.lower(shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits,
                               packed).compile().as_text()
@@ -103,13 +103,14 @@ def main() -> None:
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--shapes", nargs="+", default=["1:0", "32:0", "32:64"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ctx", type=int, default=512, help="tokens of context per decode row (pure decode shapes)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.shapes, args.steps = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3
+        args.model, args.shapes, args.steps, args.ctx = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3, 64
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
     decode = tuple(sorted({d for d, _ in shapes if d}))
     prefill = tuple(sorted({(1, t) for _, t in shapes if t})) or ((1, 16),)
@@ -119,21 +120,22 @@ def main() -> None:
         extra[k] = eval(v, {})  # noqa: S307 - a benchmark's own command line
     info = device_info()
     print(info, flush=True)
-    llm = LLM(args.model, max_model_len=256, pipeline_depth=2, max_num_seqs=max(decode or (1,)),
+    pages = -(-max(args.ctx, 256) // 16)
+    llm = LLM(args.model, max_model_len=pages * 16, pipeline_depth=2, max_num_seqs=max(decode or (1,)),
               decode_buckets=decode or (1,), prefill_buckets=prefill,
               max_num_batched_tokens=max(decode or (1,)) + max(t for _, t in prefill),
-              num_kv_pages=max(decode or (1,)) * 16 + 8, progress=False, **extra)
+              num_kv_pages=max(decode or (1,)) * pages + 8, progress=False, **extra)
     runner = llm.engine.runner
     rows = []
     for d, t in shapes:
         shape = next(s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
                      and s.prefill_rows == (1 if t else 0))
-        run_steps(runner, shape, 3)
+        run_steps(runner, shape, 3, args.ctx)
         hlo = compiled_text(runner, shape)
-        wall = run_steps(runner, shape, args.steps)
+        wall = run_steps(runner, shape, args.steps, args.ctx)
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
-            run_steps(runner, shape, args.steps)
+            run_steps(runner, shape, args.steps, args.ctx)
             jax.profiler.stop_trace()
             totals, lines = device_events(tmp)
         row = dict(decode_rows=d, prefill_tokens=t, ms_per_step=1e3 * wall)

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, write_json  # noqa: E402
+from benchmarks.common import decode_step_input, device_info, write_json  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
 from jphoton.sampling import sample_plain  # noqa: E402
 
@@ -96,13 +96,14 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, make_par
                 timeline=llm.engine.telemetry.timeline())
 
 
-def device_step_ms(llm, rows: int, reps: int = 30, then=None) -> float:
+def device_step_ms(llm, rows: int, reps: int = 30, then=None, context: int = 0) -> float:
     """The decode step of `rows` rows dispatched back to back (no host work between): forward + fused sampling, and
-    then(slot) after each step if given (e.g. a second sampler)."""
+    then(slot) after each step if given (e.g. a second sampler). context: tokens each row attends over (on pages of
+    its own, benchmarks/common.py decode_step_input); 0 = padding rows, attention nearly free."""
     runner = llm.engine.runner
     shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
                  if s.decode_rows == rows and s.prefill_rows == 0)
-    packed = jax.device_put(runner.layout(shape).empty(runner.static.trash_page)["_buffer"], runner.device)
+    packed = decode_step_input(runner, shape, context)
     for n in (3, reps):
         t0 = time.perf_counter()
         for _ in range(n):
