@@ -68,7 +68,7 @@ for section in "$@"; do
         --backends expert_centric --batch 1 8 32 --out "$OUT/moe-e2e-ec.json" ;;
     probe-h2d)  # host cost of a host->device argument while the GPU is busy, with controls (benchmarks/probes/)
       run probe-h2d python3 benchmarks/probes/h2d_while_busy.py ;;
-    kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 32) and a mixed step
+    kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 32; 512 tokens of context)
       run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 32:0 \
         --out "$OUT/kernel-profile.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
@@ -76,8 +76,9 @@ for section in "$@"; do
     attention)  # issue 8: Pallas paged decode attention vs the plain-JAX static gather vs the jnp reference, Llama-3.2-1B
       # attention shape (16-layer bf16 pool), B = 1..128 x context 512..8192: us per call, KV read GB/s, error
       run attention python3 benchmarks/attention_decode.py --out "$OUT/attention.json" ;;
-    attention-sweep)  # the kernel's configs (block, splits, warps, stages) where splits matter most: B = 1, 8 at 8k context
-      run attention-sweep python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 1 8 --ctx 8192 \
+    attention-sweep)  # the kernel's configs (block, splits, warps, stages) where splits matter most: B = 1, 8 at 8k
+      # context, and B=1 at 512 (latency-bound: 11.4 us/layer on 2026-11-23, ~180 us of the 1B step)
+      run attention-sweep python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 1 8 --ctx 512 8192 \
         --time-per-path 0.2 --out "$OUT/attention-sweep.json" ;;
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
