@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=2e-4,
                     help="sys.setswitchinterval for the overlapped-masks variant (GIL hand-off latency)")
     ap.add_argument("--mask-threads", type=int, default=0, help="llguidance executor threads (0 = its default)")
+    ap.add_argument("--mask-fill", choices=("auto", "parallel", "serial"), default="auto",
+                    help="how grammar masks are filled (jphoton/constraints.py; auto = measured in the run)")
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
     args = ap.parse_args()
     if args.export_tokenizer:
@@ -104,6 +106,7 @@ def main() -> None:
 
         llm.grammar._llguidance()
         llm.grammar._executor = llguidance.LLExecutor(args.mask_threads)
+    llm.grammar.fill_mode = args.mask_fill
     schema = json.dumps(SCHEMA)
     rows, samples = [], []
     for n in args.streams:
@@ -136,12 +139,15 @@ def main() -> None:
                    ratio_overlapped=os_["tok_s"] / fs["tok_s"], device_free_ms=dev_free,
                    device_schema_ms=dev_guided, idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
                    idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
-                   valid=valid, requests=len(g["done"]))
+                   valid=valid, requests=len(g["done"]), mask_fill=llm.grammar.fill_mode,
+                   mask_fill_trials_us_per_row={k: 1e6 * statistics.median(v) if v else None
+                                                for k, v in llm.grammar.fill_trials.items()})
         rows.append(row)
         print(f"{n:2d} streams: schema {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = {row['ratio']:.1%}; "
               f"period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device {dev_guided:.3f} vs {dev_free:.3f} ms;"
               f" idle {row['idle_schema_ms']:.3f} vs {row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, "
-              f"finalize {gs['finalize_ms']:.3f} ms, host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; "
+              f"finalize {gs['finalize_ms']:.3f} ms ({row['mask_fill']} fill), host {gs['host_ms']:.3f} vs "
+              f"{fs['host_ms']:.3f} ms; "
               f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}; overlapped masks: "
               f"{os_['tok_s']:.0f} tok/s = {row['ratio_overlapped']:.1%}, period {os_['period_ms']:.3f} ms",
               flush=True)

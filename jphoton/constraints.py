@@ -9,6 +9,8 @@ critical path of a batched step. Plain Python otherwise: the engine decides when
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import numpy as np
 
@@ -20,6 +22,15 @@ log = logging.getLogger("jphoton.constraints")
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+FILL_MODES = ("auto", "parallel", "serial")
+# "auto": the first AUTO_TRIALS fills of >= AUTO_MIN_ROWS rows alternate between the two modes, then the faster per row
+# wins. Why measure: one mask costs ~5-20 us alone, yet inside the engine the parallel executor took 7-25x that per row
+# (H100 host: 1.56 ms for 32 rows; this 2-core CPU box: 2-4 ms, serial 1 ms): thread wake-ups and whatever else the
+# machine is doing decide it, and that differs by machine.
+AUTO_TRIALS = 16
+AUTO_MIN_ROWS = 4
+
+
 def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -28,12 +39,16 @@ class GrammarCompiler:
     """Turns a request's constraint into a `Constraint` for one tokenizer. Building the llguidance tokenizer takes
     ~0.4 s, so it happens on the first constrained request, not at start-up."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], fill_mode: str = "auto"):
+        if fill_mode not in FILL_MODES:
+            raise ValueError(f"fill_mode must be one of {FILL_MODES}, got {fill_mode!r}")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._lltok = None
         self._executor = None
+        self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
+        self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
 
     def _llguidance(self):
         import llguidance
@@ -72,11 +87,37 @@ class GrammarCompiler:
 
     # ---- many rows at once ----------------------------------------------------------------------------------------
     def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> None:
-        """Write each constraint's next-token bitmask into mask[row] (other rows untouched), in parallel."""
-        if rows:
+        """Write each constraint's next-token bitmask into mask[row] (other rows untouched): on llguidance's parallel
+        executor or one row after the other (GIL released in both), as `fill_mode` says or as measured ("auto")."""
+        if not rows:
+            return
+        mode = self.fill_mode
+        timing = mode == "auto" and len(rows) >= AUTO_MIN_ROWS
+        if mode == "auto":
+            par, ser = self.fill_trials["parallel"], self.fill_trials["serial"]
+            mode = "parallel" if len(par) <= len(ser) else "serial"
+        t0 = time.perf_counter()
+        if mode == "parallel":
             from llguidance.numpy import fill_next_token_bitmask_par
 
             fill_next_token_bitmask_par(self._executor, [(c.matcher, r) for c, r in rows], mask)
+        else:
+            from llguidance.numpy import fill_next_token_bitmask
+
+            for c, r in rows:
+                fill_next_token_bitmask(c.matcher, mask, r)
+        if timing:
+            self._record_trial(mode, (time.perf_counter() - t0) / len(rows))
+
+    def _record_trial(self, mode: str, seconds_per_row: float) -> None:
+        self.fill_trials[mode].append(seconds_per_row)
+        par, ser = self.fill_trials["parallel"], self.fill_trials["serial"]
+        if min(len(par), len(ser)) < AUTO_TRIALS:
+            return
+        p, q = statistics.median(par), statistics.median(ser)
+        self.fill_mode = "parallel" if p <= q else "serial"
+        log.info("grammar masks: %s fill (median %.1f us/row) over %s (%.1f us/row), %d fills each", self.fill_mode,
+                 1e6 * min(p, q), "serial" if p <= q else "parallel", 1e6 * max(p, q), AUTO_TRIALS)
 
     def advance(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         """Feed each constraint its committed token, in parallel; False where the grammar rejected it."""

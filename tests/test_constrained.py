@@ -204,3 +204,37 @@ def test_constrained_steps_compile_nothing_after_warmup(embedded_llm):
         SamplingParams(max_tokens=40, temperature=0.7, top_k=20, logprobs=3, regex=PHONE),
         SamplingParams(max_tokens=80, temperature=0, json_schema=COLOURS)])
     assert embedded_llm.stats()["num_compiles"] == before
+
+
+def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, caplog):
+    """The serial and the parallel fill write the same masks; "auto" times both and settles on one, saying which."""
+    import numpy as np
+
+    from jphoton import constraints as C
+
+    monkeypatch.setattr(C, "AUTO_TRIALS", 3)
+    grammar = C.GrammarCompiler(embedded_llm.tokenizer, embedded_llm.config.vocab_size, embedded_llm._eos_ids())
+    ids = embedded_llm.tokenizer.encode('{"name":"Ada Lovelace","age":36,"address":{"city":"London","zip":"12345"}}')
+    rows = []
+    for i in range(8):  # eight matchers at different points of one valid document
+        c = grammar.compile(SamplingParams(json_schema=PERSON))
+        for t in ids[: i * len(ids) // 8]:
+            assert c.matcher.consume_token(t)
+        rows.append((c, 2 * i))  # every other row: the rows between must stay untouched
+    W = C.mask_words(embedded_llm.config.vocab_size)
+    masks = {}
+    for mode in ("parallel", "serial"):
+        grammar.fill_mode = mode
+        masks[mode] = np.full((16, W), -1, np.int32)
+        grammar.fill_masks(rows, masks[mode])
+    np.testing.assert_array_equal(masks["parallel"], masks["serial"])
+    assert (masks["serial"][1::2] == -1).all() and (masks["serial"][::2] != -1).any()
+    grammar.fill_mode = "auto"
+    with caplog.at_level("INFO", logger="jphoton.constraints"):
+        for _ in range(2 * C.AUTO_TRIALS):
+            grammar.fill_masks(rows, np.full((16, W), -1, np.int32))
+    assert grammar.fill_mode in ("parallel", "serial")
+    assert len(grammar.fill_trials["parallel"]) == len(grammar.fill_trials["serial"]) == C.AUTO_TRIALS
+    assert any("grammar masks:" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError):
+        C.GrammarCompiler(None, 10, (), fill_mode="fastest")
