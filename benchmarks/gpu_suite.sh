@@ -38,6 +38,11 @@ for section in "$@"; do
         --new-tokens 256 --requests-per-client 4 --out "$OUT/serving.json" ;;
     constrained)  # issue 5: JSON-schema vs free decoding, random Llama-3.2-1B resized to SmolLM2's vocabulary and tokenizer
       # (benchmarks/assets/smollm2-tokenizer, written by `benchmarks/constrained.py --export-tokenizer`; carried, not committed)
+      if [ ! -f benchmarks/assets/smollm2-tokenizer/tokenizer.json ]; then
+        echo "constrained: benchmarks/assets/smollm2-tokenizer is missing: write it where the embedded model is installed" \
+          "(python benchmarks/constrained.py --export-tokenizer benchmarks/assets/smollm2-tokenizer) and carry it"
+        continue
+      fi
       run constrained python3 benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out "$OUT" ;;
     # issue 6: MoE decode. Per layer, Qwen3-30B-A3B and moondream3 shapes, B = 1..64: warp decode vs expert-centric vs
