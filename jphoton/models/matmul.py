@@ -8,13 +8,15 @@ turned Llama-3.2-1B's QKV and O projections at batch 1 into ~21 us each (~0.4 TB
 not a vector and stays a GEMM (kernel profile in benchmarks/RESULTS.md). The zero row costs one extra row of a
 bandwidth-bound product, i.e. nothing measurable.
 
-The hook takes the *stacked* weight [L, K, N] and the layer index: a Pallas call fed a slice of the stack would make XLA
-materialise the slice (a copy of every weight, doubling the step's HBM traffic); the kernel indexes the stack itself.
+A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the layer scan's slice fuses into the GEMM)
+and with the stacked weight [L, K, N] + layer index (what the kernel reads: a Pallas call fed a slice of the stack would
+make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +45,12 @@ def resolve(kind: str) -> str:
 
 
 def _rows(x: jax.Array) -> int:
-    n = 1
-    for d in x.shape[:-1]:
-        n *= d
-    return n
+    return math.prod(x.shape[:-1])
+
+
+def xla_head(hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    """float32 logits through XLA: hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
+    return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
 
 
 def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -67,12 +71,13 @@ class XlaMatmul:
         log.info("dense matmuls: XLA (one-token steps as two rows)")
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
-        """x [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here). Indexing the
-        stack here instead would not fuse: measured on the H100, it copied every layer's weights (+60% step time)."""
+        """x [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here). An earlier
+        version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than plain `@`,
+        consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
         return two_row_dot(x, w)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-        return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
+        return xla_head(hidden, w, transposed)
 
 
 class PallasMatmul:
@@ -102,7 +107,7 @@ class PallasMatmul:
         from pallas_kernels.gemv import gemv
 
         if _rows(hidden) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
-            return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
+            return xla_head(hidden, w, transposed)
         return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
 
 
