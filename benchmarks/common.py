@@ -55,6 +55,22 @@ def decode_step_input(runner, shape, context: int = 0) -> jax.Array:
     return jax.device_put(views["_buffer"], runner.device)
 
 
+def steps_back_to_back(runner, shape, packed: jax.Array, n: int, then=None) -> float:
+    """Seconds per step of n engine steps of `shape` dispatched back to back on the same packed input (no host work
+    between; then(slot) after each if given, e.g. a second sampler), through the runner's own jitted step and slots."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slot = runner.slots[runner._next_slot]
+        slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
+                                                           slot.tokens, slot.logits, packed)
+        if then is not None:
+            then(slot)
+        runner._prev_tokens = slot.tokens
+        runner._next_slot ^= 1
+    jax.block_until_ready(runner.kv)
+    return (time.perf_counter() - t0) / n
+
+
 def param_bytes(params) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
 

@@ -19,29 +19,19 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import decode_step_input, device_info, write_json  # noqa: E402
+from benchmarks.common import decode_step_input, device_info, steps_back_to_back, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
 from jphoton.engine.step import StepShape  # noqa: E402
 
 
 def run_steps(runner, shape: StepShape, n: int, context: int) -> float:
     """n steps of `shape` back to back, decode rows attending over `context` tokens each; seconds per step."""
-    packed = decode_step_input(runner, shape, context if not shape.prefill_rows else 0)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        slot = runner.slots[runner._next_slot]
-        slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
-                                                           slot.tokens, slot.logits, packed)
-        runner._prev_tokens = slot.tokens
-        runner._next_slot ^= 1
-    jax.block_until_ready(runner.kv)
-    return (time.perf_counter() - t0) / n
+    return steps_back_to_back(runner, shape, decode_step_input(runner, shape, context if not shape.prefill_rows else 0), n)
 
 
 def compiled_text(runner, shape: StepShape) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import decode_step_input, device_info, write_json  # noqa: E402
+from benchmarks.common import decode_step_input, device_info, steps_back_to_back, write_json  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
 from jphoton.sampling import sample_plain  # noqa: E402
 
@@ -104,18 +104,8 @@ def device_step_ms(llm, rows: int, reps: int = 30, then=None, context: int = 0) 
     shape = next(s for s in sorted(runner._layouts, key=lambda s: s.ctx_pages)
                  if s.decode_rows == rows and s.prefill_rows == 0)
     packed = decode_step_input(runner, shape, context)
-    for n in (3, reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            slot = runner.slots[runner._next_slot]
-            slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
-                                                               slot.tokens, slot.logits, packed)
-            if then is not None:
-                then(slot)
-            runner._prev_tokens = slot.tokens
-            runner._next_slot ^= 1
-        jax.block_until_ready(runner.kv)
-    return 1e3 * (time.perf_counter() - t0) / reps
+    steps_back_to_back(runner, shape, packed, 3, then)  # compile + warm
+    return 1e3 * steps_back_to_back(runner, shape, packed, reps, then)
 
 
 def sampler_ms(rows: int, vocab: int, reps: int = 50) -> float:
