@@ -55,23 +55,37 @@ MAX_TOKENS = 160
 def device_ms(llm, rows: int, masked: bool) -> float:
     """The decode step of `rows` rows (and, if masked, the grammar sampler) back to back, no host work between."""
     runner = llm.engine.runner
-    sampler_rows = jax.device_put(np.full((runner.static.max_rows, 7 + runner.mask_words), -1, np.int32), runner.device)
+    inp = runner._sampler_input((False, 0, True))
+    inp.carrier[:] = 0
+    sampler_input = jax.device_put(inp.buffer, runner.device)
 
     def masked_sampler(slot):
-        slot.tokens, slot.logprobs, slot.top_ids = runner._resample(
-            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_rows)
+        slot.tokens, slot.logprobs, slot.top_ids, _ = runner._resample(
+            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_input)
 
     return device_step_ms(llm, rows, then=masked_sampler if masked else None)
+
+
+PHASES = {  # host phases of a step: (start, end) telemetry fields
+    "plan": ("t_plan", "t_planned"), "launch": ("t_launch", "t_launched"), "wait": ("t_commit", "t_ready"),
+    "advance": ("t_ready", "t_advanced"), "commit": ("t_advanced", "t_committed"),
+    "mask_fill": ("t_finalize", "t_masked"), "sampler_dispatch": ("t_masked", "t_finalized"),
+}
 
 
 def summarize(run: dict, timeline: list[dict]) -> dict:
     decode = [r for r in timeline if r["kind"] == "decode"]
     guided = [r for r in timeline if r["constrained_rows"]]
-    host = [(r["t_launched"] - r["t_plan"]) + (r["t_committed"] - r["t_ready"])
-            + (r["t_finalized"] - r["t_finalize"] if r["constrained_rows"] else 0.0) for r in decode]
+
+    def span(r, phase):
+        a, b = PHASES[phase]
+        return r[b] - r[a] if r[a] and r[b] else 0.0
+
+    host = [sum(span(r, p) for p in PHASES if p != "wait") for r in decode]
+    phases = {p: 1e3 * statistics.median([span(r, p) for r in decode]) for p in PHASES} if decode else {}
     return dict(tok_s=run["tok_s"], tokens=run["tokens"], period_ms=run["period_ms"],
-                host_ms=1e3 * statistics.median(host),
-                mask_ms=1e3 * statistics.median([r["t_masked"] - r["t_finalize"] for r in guided]) if guided else 0.0,
+                host_ms=1e3 * statistics.median(host), phases_ms=phases,
+                mask_ms=1e3 * statistics.median([span(r, "mask_fill") for r in guided]) if guided else 0.0,
                 finalize_ms=1e3 * statistics.median([r["t_finalized"] - r["t_finalize"] for r in guided])
                 if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
 
@@ -147,7 +161,8 @@ def main() -> None:
               f"period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device {dev_guided:.3f} vs {dev_free:.3f} ms;"
               f" idle {row['idle_schema_ms']:.3f} vs {row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, "
               f"finalize {gs['finalize_ms']:.3f} ms ({row['mask_fill']} fill), host {gs['host_ms']:.3f} vs "
-              f"{fs['host_ms']:.3f} ms; "
+              f"{fs['host_ms']:.3f} ms; schema phases (ms) "
+              f"{ {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; free {fs['phases_ms'].get('commit', 0):.3f} commit; "
               f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}; overlapped masks: "
               f"{os_['tok_s']:.0f} tok/s = {row['ratio_overlapped']:.1%}, period {os_['period_ms']:.3f} ms",
               flush=True)

@@ -80,7 +80,7 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, make_par
     # would otherwise be charged to the decode step after it).
     periods = [c.t_launch - b.t_launch for a, b, c in zip(recs, recs[1:], recs[2:], strict=False)
                if a.kind == b.kind == c.kind == "decode"]
-    host = [(r.t_launched - r.t_plan) + (r.t_committed - r.t_ready) for r in decode]
+    host = [(r.t_planned - r.t_plan) + (r.t_launched - r.t_launch) + (r.t_committed - r.t_ready) for r in decode]
     by_kind: dict[str, list[float]] = {}  # launch-to-launch period of every step, by the step's kind
     for a, b in zip(recs, recs[1:], strict=False):
         by_kind.setdefault(a.kind, []).append(b.t_launch - a.t_launch)

@@ -120,9 +120,12 @@ class GrammarCompiler:
                  1e6 * min(p, q), "serial" if p <= q else "parallel", 1e6 * max(p, q), AUTO_TRIALS)
 
     def advance(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
-        """Feed each constraint its committed token, in parallel; False where the grammar rejected it."""
+        """Feed each constraint its committed token (one row after the other where serial fills won, else on the
+        parallel executor); False where the grammar rejected it."""
         if not tokens:
             return []
+        if self.fill_mode == "serial":
+            return [c.matcher.consume_token(int(t)) for c, t in tokens]
         return self._executor.consume_token_par([(c.matcher, int(t)) for c, t in tokens])
 
 

@@ -77,31 +77,34 @@ def run_batch(llm, temperature: float):
               for i, (_, kw, _) in enumerate(CASES)]
     params += [SamplingParams(max_tokens=24, temperature=temperature, seed=7 + i) for i in range(len(FREE))]
     llm.engine.telemetry.clear()
+    transfers = llm.engine.runner.input_transfers
     # Interleave free and constrained prompts so that both kinds share steps.
     order = [0, len(CASES), 1, 2, len(CASES) + 1, 3, 4, 5, 6]
     prompts, plist = chat + free, params
     outs = llm.generate([prompts[i] for i in order], [plist[i] for i in order])
     by_index = dict(zip(order, outs, strict=True))
-    return [by_index[i] for i in range(len(CASES))], [by_index[len(CASES) + i] for i in range(len(FREE))]
+    return ([by_index[i] for i in range(len(CASES))], [by_index[len(CASES) + i] for i in range(len(FREE))],
+            llm.engine.runner.input_transfers - transfers)
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """{(depth, temperature): (constrained completions, free completions, step records)}: one engine per depth."""
+    """{(depth, temperature): (constrained completions, free completions, step records, host->device input copies)}:
+    one engine per depth."""
     results = {}
     for depth in (1, 2):
         llm = make_llm(pipeline_depth=depth)
         llm.engine.overlap_masks = depth == 2  # depth 2 fills masks on the worker thread, overlapping the commit
         for temperature in (0.0, 0.8):
-            constrained, free = run_batch(llm, temperature)
-            results[depth, temperature] = (constrained, free, list(llm.engine.telemetry.records))
+            constrained, free, transfers = run_batch(llm, temperature)
+            results[depth, temperature] = (constrained, free, list(llm.engine.telemetry.records), transfers)
     return results
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_every_constrained_output_is_valid(runs, depth, temperature):
-    constrained, free, _ = runs[depth, temperature]
+    constrained, free, _, _ = runs[depth, temperature]
     for (_, kw, check), out in zip(CASES, constrained, strict=True):
         assert out.finish_reason == "stop", (kw, out.text, out.finish_reason)
         assert valid(out.text, check), (kw, out.text)
@@ -115,7 +118,7 @@ def test_tokens_identical_between_depths(runs, temperature):
 
 
 def test_constrained_and_free_rows_share_steps(runs):
-    for key, (_, _, records) in runs.items():
+    for key, (_, _, records, _) in runs.items():
         shared = [r for r in records if 0 < r.constrained_rows < r.rows]
         assert shared, f"no step mixed free and grammar rows at {key}"
         assert all(r.t_finalize >= r.t_launched for r in records if r.constrained_rows)
@@ -125,6 +128,16 @@ def test_constrained_and_free_rows_share_steps(runs):
     overlapped = [r for r in records if r.constrained_rows and r.step_id - 1 in by_id
                   and r.t_launched < by_id[r.step_id - 1].t_commit and r.t_finalize > by_id[r.step_id - 1].t_ready]
     assert len(overlapped) > len(records) // 2
+
+
+def test_a_pipelined_grammar_step_costs_one_input_transfer(runs):
+    """Depth 2: the masked sampler's transfer also carries the next step's input, so a step costs one host->device
+    copy with or without grammar rows; depth 1 (nothing planned ahead) pays two per grammar step."""
+    _, _, records, transfers = runs[2, 0.0]
+    assert sum(r.constrained_rows > 0 for r in records) > len(records) // 2
+    assert transfers <= len(records) + 2
+    _, _, records, transfers = runs[1, 0.0]
+    assert transfers == len(records) + sum(r.constrained_rows > 0 for r in records)
 
 
 def test_a_free_request_is_unchanged_by_grammar_neighbours(runs, embedded_llm):

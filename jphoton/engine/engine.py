@@ -90,7 +90,7 @@ class Engine:
         sampling of a step that waits for grammar masks."""
         outputs: list[Output] = []
         now = self.telemetry.now
-        if self._next is not None:  # planned (and packed) last tick while the masks were being filled
+        if self._next is not None:  # planned (and packed) last tick, before a grammar step's sampler
             plan, rec, packed = self._next
             self._next = None
         else:
@@ -113,18 +113,21 @@ class Engine:
             result = self.runner.fetch(slot)
             rec.t_ready = now()
             verdicts = self._advance_grammar(step_plan, result)
+            rec.t_advanced = now()
             waiting = next((s for s in self.inflight if s.awaiting_mask), None)
             if waiting is not None and self.overlap_masks:  # its masks need only the matchers: start them now
                 self._start_masks(waiting, background=True)
             outputs += self._commit(step_plan, result, verdicts)
             rec.t_committed = now()
             self.telemetry.add(rec)
-        for slot in self.inflight:
-            if slot.awaiting_mask:
-                if self.depth == 2 and self._mask_job is not None and self._mask_job[2] is not None:
-                    # Plan and pack the next step while the matchers fill the masks (in Rust threads, GIL released).
-                    self._next = self._plan()
-                self._finalize(slot)
+        waiting = next((s for s in self.inflight if s.awaiting_mask), None)
+        if waiting is not None:  # depth 2: the step just launched has grammar rows
+            if self.overlap_masks and self._mask_job is None:
+                self._start_masks(waiting, background=True)
+            # Plan and pack the step after it now: its input then rides in the masked sampler's transfer (one
+            # host->device copy per step), and a background mask fill overlaps the planning.
+            self._next = self._plan()
+            self._finalize(waiting)
         return outputs
 
     def _plan(self):
@@ -139,7 +142,9 @@ class Engine:
             log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
                      "sample later)")
         self.num_constrained_steps += rec.constrained_rows > 0
-        return plan, rec, self.runner.pack(plan)
+        packed = self.runner.pack(plan)
+        rec.t_planned = self.telemetry.now()
+        return plan, rec, packed
 
     # ---- grammar rows ----------------------------------------------------------------------------------------------
     def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, tuple[bool, bool, str]]:
@@ -153,32 +158,37 @@ class Engine:
                 for r, ok in zip(guided, oks, strict=True)}
 
     def _start_masks(self, slot: DecodeSlot, background: bool = False) -> None:
-        """Fill the step's grammar masks in the background; every token before the step is committed (or, mid-commit,
-        fed to its matcher), so each matcher is in the state its row's mask needs."""
+        """Fill the step's grammar masks (in the background: on a worker thread; llguidance releases the GIL); every
+        token before the step is committed (or, mid-commit, fed to its matcher), so each matcher is in the state its
+        row's mask needs."""
         rec = self._records[slot.plan.step_id]
         rec.t_finalize = self.telemetry.now()
-        mask = self.runner.mask_buffer()
+        inp = self.runner.sampler_input(slot.plan, masked=True)
         rows = [(r.seq.constraint, r.out_row) for r in slot.plan.rows
                 if r.samples and r.seq.constraint is not None and not r.seq.finalized
                 and not r.seq.constraint.matcher.is_error()]  # zombies and failed rows keep the all-ones row
         if background:
-            job = self._mask_pool.submit(self.grammar.fill_masks, rows, mask)
+            job = self._mask_pool.submit(self.grammar.fill_masks, rows, inp.mask)
         else:
-            self.grammar.fill_masks(rows, mask)
+            self.grammar.fill_masks(rows, inp.mask)
             job = None
-        self._mask_job = (slot, mask, job)
+        self._mask_job = (slot, inp, job)
 
     def _finalize(self, slot: DecodeSlot) -> None:
-        """Sample a step that has grammar rows, with its masks."""
+        """Sample a step that has grammar rows, with its masks; a step planned ahead (self._next) sends its input along
+        in the same transfer and keeps the device copy for its launch."""
         if self._mask_job is None or self._mask_job[0] is not slot:
             self._start_masks(slot)
-        _, mask, job = self._mask_job
+        _, inp, job = self._mask_job
         self._mask_job = None
         if job is not None:
             job.result()
         rec = self._records[slot.plan.step_id]
         rec.t_masked = self.telemetry.now()
-        self.runner.finalize(slot, mask)
+        then = self._next[2] if self._next is not None and self._next[0] is not None else None
+        carried = self.runner.finalize(slot, inp, then)
+        if carried is not None:
+            self._next = (self._next[0], self._next[1], carried)
         rec.t_finalized = self.telemetry.now()
 
     def _commit(self, plan: StepPlan, result: StepResult, grammar: dict[int, tuple[bool, bool, str]]) -> list[Output]:
@@ -222,5 +232,6 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             "constrained_steps": self.num_constrained_steps,
+            "input_transfers": self.runner.input_transfers,
             "inflight_steps": len(self.inflight),
         }

@@ -18,7 +18,15 @@ import numpy as np
 
 from jphoton.constraints import mask_words
 from jphoton.engine.scheduler import SchedulerConfig, StepPlan
-from jphoton.engine.step import SAMPLER_ROW_FIELDS, StepLayout, StepShape, StepStatic, engine_step, resample
+from jphoton.engine.step import (
+    SAMPLER_ROW_FIELDS,
+    StepLayout,
+    StepShape,
+    StepStatic,
+    engine_step,
+    resample,
+    sampler_input_size,
+)
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
@@ -43,6 +51,18 @@ class DecodeSlot:
     plan: StepPlan | None = None  # the step occupying the slot, until its commit
     resampled: tuple[bool, int, bool] | None = None  # which second sampler ran, if any
     awaiting_mask: bool = False  # a grammar row's token is sampled only at finalize, after the previous commit
+
+
+@dataclasses.dataclass
+class SamplerInput:
+    """The second sampler's one host->device transfer, as views into one buffer: grammar bitmasks (all ones; llguidance
+    fills the grammar rows in place), per-row sampler fields, and a carrier for the next step's packed input."""
+
+    variant: tuple[bool, int, bool]  # (filtered, logprobs, masked): which compiled sampler
+    buffer: np.ndarray  # [sampler_input_size] int32
+    mask: np.ndarray | None  # [max_rows, W] view, when masked
+    fields: np.ndarray  # [max_rows, SAMPLER_ROW_FIELDS] view
+    carrier: np.ndarray  # [packed_size] view when masked, else empty
 
 
 @dataclasses.dataclass
@@ -75,6 +95,9 @@ class Runner:
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
                                  trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
                                  pallas_decode=sched.pallas_decode)
+        # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
+        # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
+        self.packed_size = max(StepLayout(s, self.static).size for s in all_shapes(sched))
         self.max_logprobs = max_logprobs
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
@@ -91,11 +114,18 @@ class Runner:
                                  self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
         self._next_slot = 0
+        self.input_transfers = 0  # host->device copies of step and sampler inputs (telemetry; tests check the count)
         self._prev_tokens = self.slots[1].tokens
         self._layouts: dict[StepShape, StepLayout] = {}
+        # Shardings pinned on both jits: a step input that arrives as a host array (usual) and one that arrives as a
+        # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
+        # device argument and an uncommitted host one compile twice.
+        on_device = jax.sharding.SingleDeviceSharding(self.device)
         self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
-                             static_argnums=(0,), donate_argnums=(2, 4, 5))
-        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
+                             static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
+                             out_shardings=on_device)
+        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6),
+                                 in_shardings=on_device, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
 
     def _zeros(self, shape, dtype) -> jax.Array:
@@ -104,7 +134,7 @@ class Runner:
 
     def layout(self, shape: StepShape) -> StepLayout:
         if shape not in self._layouts:
-            self._layouts[shape] = StepLayout(shape, self.static)
+            self._layouts[shape] = StepLayout(shape, self.static, self.packed_size)
         return self._layouts[shape]
 
     # ---- compile ---------------------------------------------------------------------------------------------------
@@ -121,8 +151,7 @@ class Runner:
             inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
             self._dispatch(shape, inputs)
         for variant in self.resample_variants():
-            rows = np.zeros((self.static.max_rows, SAMPLER_ROW_FIELDS + variant[2] * self.mask_words), np.int32)
-            self._dispatch_resample(self.slots[0], variant, rows)
+            self._dispatch_resample(self.slots[0], self._sampler_input(variant))
         jax.block_until_ready(self.kv)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
@@ -160,17 +189,28 @@ class Runner:
         lps = (0, self.max_logprobs) if self.max_logprobs else (0,)
         return [(f, k, m) for m in (False, True) for f in (False, True) for k in lps if f or k or m]
 
-    def _resample_rows(self, plan: StepPlan, masked: bool = False) -> tuple[tuple[bool, int, bool], np.ndarray] | None:
-        """The second sampler this step needs (filters? logprobs? grammar masks?) and its per-row inputs (the mask
-        words left all ones), or None (the usual case)."""
+    def _sampler_input(self, variant: tuple[bool, int, bool]) -> SamplerInput:
+        R, W = self.static.max_rows, self.mask_words if variant[2] else 0
+        carrier = self.packed_size if variant[2] else 0
+        buf = np.empty(sampler_input_size(R, W, carrier), np.int32)
+        mask = buf[:R * W].reshape(R, W) if W else None
+        if mask is not None:
+            mask.fill(-1)
+        fields = buf[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
+        fields[:] = 0
+        fields[:, 2] = np.float32(1.0).view(np.int32)  # top_p 1 on padding rows
+        return SamplerInput(variant, buf, mask, fields, buf[R * (W + SAMPLER_ROW_FIELDS):])
+
+    def sampler_input(self, plan: StepPlan, masked: bool = False) -> SamplerInput | None:
+        """The second sampler this step needs (filters? logprobs? grammar masks?) with its per-row fields filled and
+        the mask words all ones, or None (the usual case)."""
         filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
                        for r in plan.rows)
         want_lp = any(r.seq.params.logprobs for r in plan.rows)
         if not filtered and not want_lp and not masked:
             return None
-        rows = np.zeros((self.static.max_rows, SAMPLER_ROW_FIELDS + masked * self.mask_words), np.int32)
-        rows[:, SAMPLER_ROW_FIELDS:] = -1
-        rows[:, 2] = np.float32(1.0).view(np.int32)
+        inp = self._sampler_input((filtered, self.max_logprobs if want_lp else 0, masked))
+        rows = inp.fields
         out = [row.out_row for row in plan.rows]
         params = [row.seq.params for row in plan.rows]
         rows[out, 0] = np.array([p.temperature for p in params], np.float32).view(np.int32)
@@ -179,13 +219,14 @@ class Runner:
         rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan.rows], np.uint64)).view(np.int32)
         rows[out, 5] = [row.sample_index for row in plan.rows]
         rows[out, 6] = [p.logprobs or 0 for p in params]
-        return (filtered, self.max_logprobs if want_lp else 0, masked), rows
+        return inp
 
     def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False,
-               packed: tuple[StepShape, np.ndarray] | None = None) -> DecodeSlot:
+               packed: tuple[StepShape, np.ndarray | jax.Array] | None = None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
-        forward (and the logits) run now all the same. packed: `pack(plan)`, if done ahead."""
+        forward (and the logits) run now all the same. packed: `pack(plan)` if done ahead, or the device array that
+        `finalize` returned for it."""
         shape, packed = packed or self.pack(plan)
         if record is not None:
             record.t_packed = time.perf_counter()
@@ -194,26 +235,28 @@ class Runner:
         slot.awaiting_mask = defer_sampling
         slot.resampled = None
         if not defer_sampling:
-            second = self._resample_rows(plan)
+            second = self.sampler_input(plan)
             if second is not None:
-                self._dispatch_resample(slot, *second)
-                slot.resampled = second[0]
+                self._dispatch_resample(slot, second)
             self._copy_to_host(slot)
         return slot
 
-    def finalize(self, slot: DecodeSlot, mask: np.ndarray) -> None:
-        """Sample a deferred step with its grammar masks ([max_rows, W] int32, all ones for free rows), then start its
-        host copy. Only the latest launched step can be finalized: the next launch reads its tokens."""
+    def finalize(self, slot: DecodeSlot, inp: SamplerInput,
+                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, jax.Array] | None:
+        """Sample a deferred step with its grammar masks (`inp` from `sampler_input(slot.plan, masked=True)`, mask
+        rows filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads
+        its tokens. then: the next step's packed input, if already planned: it rides in this transfer, and the
+        returned (shape, device array) is what `launch` takes for it, so that the step costs no transfer of its own."""
         assert slot.awaiting_mask and self._prev_tokens is slot.tokens, "finalize out of order"
-        variant, rows = self._resample_rows(slot.plan, masked=True)
-        rows[:, SAMPLER_ROW_FIELDS:] = mask
-        self._dispatch_resample(slot, variant, rows)
-        slot.resampled, slot.awaiting_mask = variant, False
+        assert inp.variant[2], "finalize needs a masked sampler input"
+        if then is not None and then[1].size != inp.carrier.size:  # a shape outside the buckets (benchmarks only)
+            then = None
+        if then is not None:
+            inp.carrier[:] = then[1]
+        carried = self._dispatch_resample(slot, inp)
+        slot.awaiting_mask = False
         self._copy_to_host(slot)
-
-    def mask_buffer(self) -> np.ndarray:
-        """A host bitmask for one step, every token allowed (llguidance fills the grammar rows in place)."""
-        return np.full((self.static.max_rows, self.mask_words), -1, np.int32)
+        return (then[0], carried) if then is not None else None
 
     @staticmethod
     def _copy_to_host(slot: DecodeSlot) -> None:
@@ -224,21 +267,26 @@ class Runner:
                 slot.logprobs.copy_to_host_async()
                 slot.top_ids.copy_to_host_async()
 
-    def _dispatch_resample(self, slot: DecodeSlot, variant: tuple[bool, int, bool], rows: np.ndarray) -> None:
-        # A second host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
+    def _dispatch_resample(self, slot: DecodeSlot, inp: SamplerInput) -> jax.Array:
+        # One more host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
         feeds_next = self._prev_tokens is slot.tokens
+        self.input_transfers += 1
         with _input_transfer():
-            slot.tokens, slot.logprobs, slot.top_ids = self._resample(
-                *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, rows)
+            slot.tokens, slot.logprobs, slot.top_ids, carried = self._resample(
+                *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, inp.buffer)
+        slot.resampled = inp.variant
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
             self._prev_tokens = slot.tokens
+        return carried
 
-    def _dispatch(self, shape: StepShape, packed: np.ndarray, record=None) -> DecodeSlot:
-        """Run one step into the next slot: one explicit host->device copy, outputs and KV donated."""
+    def _dispatch(self, shape: StepShape, packed: np.ndarray | jax.Array, record=None) -> DecodeSlot:
+        """Run one step into the next slot: one host->device copy (none if packed is already on the device), outputs
+        and KV donated."""
         slot = self.slots[self._next_slot]
         assert slot.plan is None, "slot reused before the commit that reads it"
         if record is not None:
             record.t_put = time.perf_counter()
+        self.input_transfers += isinstance(packed, np.ndarray)
         with _input_transfer():
             slot.tokens, slot.logits, self.kv = self._step(
                 shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed)

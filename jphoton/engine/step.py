@@ -51,9 +51,11 @@ class StepStatic:
 
 
 class StepLayout:
-    """Offsets of each field in the packed int32 input for one shape."""
+    """Offsets of each field in the packed int32 input for one shape. The buffer may be longer than the fields
+    (`buffer_size`): every step shape takes one fixed-length input, so that a step's input can also ride in the
+    grammar sampler's transfer (Runner.finalize) without another compiled variant per shape."""
 
-    def __init__(self, shape: StepShape, static: StepStatic):
+    def __init__(self, shape: StepShape, static: StepStatic, buffer_size: int = 0):
         Bd, Bp, Tp, P, R = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens, static.pages_per_seq, shape.rows
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
@@ -64,11 +66,12 @@ class StepLayout:
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
-        self.size = offset
+        self.size = offset  # words the fields take
+        self.buffer_size = max(offset, buffer_size)
 
     def empty(self, trash_page: int) -> dict[str, np.ndarray]:
         """Host views into one zeroed buffer, with padding defaults (tables -> trash page, top_p 1, no carry)."""
-        buf = np.zeros(self.size, np.int32)
+        buf = np.zeros(self.buffer_size, np.int32)
         views = {name: buf[o:o + math.prod(d)].reshape(d) for name, (o, d) in self.fields.items()}
         views["d_table"][:] = trash_page
         views["p_table"][:] = trash_page
@@ -150,28 +153,39 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     return out_tokens, out_logits, kv
 
 
-SAMPLER_ROW_FIELDS = 7  # per-row words of the second sampler's input, before the grammar bitmask
+SAMPLER_ROW_FIELDS = 7  # per-row words of the second sampler's input
 
 
-def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, logprobs_buf, top_ids_buf, rows):
+def sampler_input_size(max_rows: int, mask_words: int, carrier: int) -> int:
+    """Words of the second sampler's one packed input: [mask rows | sampler fields | carrier]."""
+    return max_rows * (mask_words + SAMPLER_ROW_FIELDS) + carrier
+
+
+def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, logprobs_buf, top_ids_buf, inputs):
     """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p, logprobs or a
-    grammar. rows [max_rows, 7 (+ W)] int32: temperature bits, top_k, top_p bits, key (2 words), sample index,
-    logprobs wanted, then (masked) the token bitmask, W = ceil(V / 32) words, bit v % 32 of word v // 32 = token v
-    allowed (all ones for free rows). Every row is re-sampled from its own key, so a free row draws what the fused
-    sampler drew. Logprobs are those of the raw model distribution (before temperature and mask)."""
+    grammar. inputs: one int32 vector, [R, W] token bitmask if masked (W = ceil(V / 32) words, bit v % 32 of word
+    v // 32 = token v allowed, all ones for free rows), then [R, 7] per-row fields (temperature bits, top_k, top_p
+    bits, key (2 words), sample index, logprobs wanted), then a carrier: words passed through untouched and returned as
+    a device array (the next step's packed input, so that it needs no transfer of its own). Every row is re-sampled
+    from its own key, so a free row draws what the fused sampler drew. Logprobs are those of the raw model
+    distribution (before temperature and mask). Returns (tokens, logprobs, top_ids, carrier)."""
+    R, V = logits.shape
+    W = -(-V // 32) if masked else 0
+    rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
+    carrier = inputs[R * (W + SAMPLER_ROW_FIELDS):]
     temperature = jax.lax.bitcast_convert_type(rows[:, 0], jnp.float32)
     top_p = jax.lax.bitcast_convert_type(rows[:, 2], jnp.float32)
     key = jax.lax.bitcast_convert_type(rows[:, 3:5], jnp.uint32)
     scores = logits
     if masked:
-        scores = jnp.where(unpack_bitmask(rows[:, SAMPLER_ROW_FIELDS:], logits.shape[-1]), logits, -jnp.inf)
+        scores = jnp.where(unpack_bitmask(inputs[:R * W].reshape(R, W), V), logits, -jnp.inf)
     if filtered:
         tokens = sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5])
     elif masked:
         tokens = sample_plain(scores, temperature, key, rows[:, 5])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
-    return tokens, logprobs_buf, top_ids_buf
+    return tokens, logprobs_buf, top_ids_buf, carrier
 
 
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:

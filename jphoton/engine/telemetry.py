@@ -16,18 +16,20 @@ class StepRecord:
     rows: int
     tokens: int
     t_plan: float = 0.0  # planning starts
-    t_launch: float = 0.0  # inputs packed, dispatch starts
+    t_planned: float = 0.0  # planned and packed (a step planned ahead waits for its launch after this)
+    t_launch: float = 0.0  # dispatch starts
     t_packed: float = 0.0  # the packed input array is built
     t_put: float = 0.0  # its host->device copy is enqueued
     t_dispatched: float = 0.0  # the jitted step call returned
     t_launched: float = 0.0  # dispatch returned (the device may still be busy with earlier steps)
     t_commit: float = 0.0  # commit starts: waiting for this step's host copy
     t_ready: float = 0.0  # host copy landed (the device finished this step no later than this)
+    t_advanced: float = 0.0  # grammar matchers fed the step's tokens
     t_committed: float = 0.0  # tokens appended, deltas built, stops checked
     constrained_rows: int = 0  # rows sampled under a grammar mask (the step samples at finalize)
     t_finalize: float = 0.0  # finalize starts (after the previous step's commit): masks are filled
     t_masked: float = 0.0  # masks filled
-    t_finalized: float = 0.0  # masked sampler dispatched, host copy started
+    t_finalized: float = 0.0  # masked sampler dispatched (with the next step's input), host copy started
 
 
 class Telemetry:
