@@ -220,20 +220,25 @@ def run_e2e(args) -> list[dict]:
     rows = []
     for variant in args.variants:
         matmul, layout = variant.rsplit("-", 1)
+        if matmul == "pallas0":  # the GEMV for the small matrices only, every prologue in XLA (the default until
+            from jphoton.models.matmul import PallasMatmul  # 2026-11-23's fused prologues)
+
+            matmul = PallasMatmul(any_weight_max_rows=0)
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
                                  fuse=layout == "fused")
             del loaded
             B = max(args.batch)
-            # attention over one static context bucket of --ctx tokens (the engine's GPU default; every variant the
-            # same), so that the step differs between variants only in its matmuls
+            # the engine's default attention (every variant the same) over --ctx tokens per row, so that the step
+            # differs between variants only in its matmuls
             pages = -(-args.ctx // 16)
             llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
-                      prefill_buckets=((1, 32),), attention="static", context_buckets=(pages,), warmup=False,
+                      prefill_buckets=((1, 32),), context_buckets=(pages,), warmup=False,
                       num_kv_pages=B * pages + 8, progress=False)
+            bucket = 0 if llm.engine.runner.static.pallas_decode else pages
             for b in args.batch:
-                llm.engine.runner.layout(StepShape(b, 0, 0, pages))
+                llm.engine.runner.layout(StepShape(b, 0, 0, bucket))
                 t0 = time.perf_counter()
                 ms = device_step_ms(llm, b, reps=args.step_reps, context=args.ctx)
                 row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
@@ -263,8 +268,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
-    ap.add_argument("--variants", nargs="+", default=["xla-plain-fused", "xla-fused", "pallas-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py), LAYOUT unfused|fused")
+    ap.add_argument("--variants", nargs="+", default=["xla-fused", "pallas0-fused", "pallas-fused"],
+                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py) or pallas0 (GEMV for "
+                         "matrices < 10M elements only, prologues in XLA), LAYOUT unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()
@@ -278,7 +284,7 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        if v.rsplit("-", 1)[0] not in ("xla", "xla-plain", "pallas") or not v.endswith(("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0] not in ("xla", "xla-plain", "pallas", "pallas0") or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

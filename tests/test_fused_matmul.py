@@ -56,6 +56,11 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
             h, logits = _hidden(p, cfg, tokens, matmul, unroll=matmul is not None)
             np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    # one token: every matrix takes the GEMV whatever its size, norm and SwiGLU activation in its prologue
+    one = tokens[:1, :1]
+    ref_h1, _ = _hidden(params, cfg, one)
+    h1, _ = _hidden(fused, cfg, one, PallasMatmul(interpret=True, max_weight_elements=3000), unroll=True)
+    np.testing.assert_allclose(h1, ref_h1, rtol=1e-4, atol=1e-4)
 
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict

@@ -30,6 +30,7 @@ reference; the engine's paged attention lives in jphoton/engine/attention.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, silu_mul, swiglu
+from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, swiglu
+from jphoton.models.matmul import Prologue
 
 Params = dict[str, Any]
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -183,26 +185,29 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         x, kv = carry
         lp, index = xs
 
-        def proj(h, key):
-            # The hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into the GEMM) and
-            # the stack + index (what a kernel should read: a slice fed to a custom call is materialised, i.e. copied).
-            return dense(h, lp[key]) if matmul is None else matmul(h, lp[key], stacked[key], index)
+        def proj(h, key, norm=None, silu=False):
+            """prologue(h) @ lp[key], the prologue being RMSNorm with lp[norm] and/or SwiGLU's silu(gate) * up.
+            The hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into the GEMM) and
+            the stack + index (what a kernel should read: a slice fed to a custom call is materialised, i.e. copied);
+            a kernel may run the prologue itself."""
+            prologue = Prologue(lp[norm] if norm else None, stacked[norm] if norm else None, cfg.rms_norm_eps, silu)
+            if matmul is None:
+                return dense(prologue(h), lp[key])
+            return matmul(h, lp[key], stacked[key], index, prologue=prologue)
 
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
+        q, k, v = _attention_projections(cfg, lp, x, positions, inv_freq, functools.partial(proj, norm="attn_norm"))
         o, kv = attend(q, k, v, kv, index)
         o = proj(o.reshape(*x.shape[:-1], cfg.q_size), "wo")
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         if "w_gate_up" in lp:
-            gate, up = _split_last(proj(h, "w_gate_up"), (cfg.intermediate_size, cfg.intermediate_size))
-            x = x + proj(silu_mul(gate, up), "w_down")
+            x = x + proj(proj(x, "w_gate_up", norm="mlp_norm"), "w_down", silu=True)
         elif matmul is None:
-            x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+            x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
         else:
-            x = x + proj(silu_mul(proj(h, "w_gate"), proj(h, "w_up")), "w_down")
+            gate_up = jnp.concatenate([proj(x, "w_gate", norm="mlp_norm"), proj(x, "w_up", norm="mlp_norm")], axis=-1)
+            x = x + proj(gate_up, "w_down", silu=True)
         return (x, kv), None
 
     (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)

@@ -10,18 +10,22 @@ bandwidth-bound product, i.e. nothing measurable.
 
 A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the layer scan's slice fuses into the GEMM)
 and with the stacked weight [L, K, N] + layer index (what the kernel reads: a Pallas call fed a slice of the stack would
-make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic).
+make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic), and optionally with the
+elementwise step that produces its input (`Prologue`: the RMSNorm before QKV and gate/up, the SwiGLU activation
+before down). XLA fuses those into whatever kernel it likes; the GEMV runs them in its own prologue, which at one token
+removes a kernel launch each (a decode step at B=1 is ~100 small kernels of ~1.5 us, RESULTS.md kernel profile).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jphoton.models.layers import dense
+from jphoton.models.layers import dense, rms_norm, silu_mul
 
 log = logging.getLogger("jphoton")
 
@@ -32,8 +36,30 @@ GPU_DEFAULT = "pallas"
 PALLAS_MAX_ROWS = 32
 # Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
 # the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
-# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
+# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M)...
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
+# ...except in steps of at most this many tokens, where every layer matrix takes the GEMV: tied on the matrix itself,
+# it also runs the norm / activation before it and needs no two-row padding, each a kernel launch saved.
+PALLAS_ANY_WEIGHT_MAX_ROWS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """The elementwise step before a weight matmul: RMSNorm with this layer's weight (`norm`, with the stack and eps
+    for kernels), or silu(gate) * up of an input [..., 2F] = [gate | up] (`silu`)."""
+
+    norm: jax.Array | None = None  # [K], this layer's
+    norm_stack: jax.Array | None = None  # [L, K]
+    eps: float = 1e-6
+    silu: bool = False
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """The prologue in plain jnp (XLA fuses it with its neighbours)."""
+        if self.silu:
+            x = silu_mul(*jnp.split(x, 2, axis=-1))
+        if self.norm is not None:
+            x = rms_norm(x, self.norm, self.eps)
+        return x
 
 
 def resolve(kind: str) -> str:
@@ -70,11 +96,12 @@ class XlaMatmul:
     def __init__(self):
         log.info("dense matmuls: XLA (one-token steps as two rows)")
 
-    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
-        """x [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here). An earlier
-        version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than plain `@`,
-        consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
-        return two_row_dot(x, w)
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None,
+                 prologue: Prologue | None = None) -> jax.Array:
+        """prologue(x) [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here).
+        An earlier version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than
+        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
+        return two_row_dot(prologue(x) if prologue else x, w)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
@@ -84,22 +111,30 @@ class PallasMatmul:
     """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU."""
 
     def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
-                 interpret: bool | None = None):
+                 any_weight_max_rows: int = PALLAS_ANY_WEIGHT_MAX_ROWS, interpret: bool | None = None):
         from pallas_kernels import gemv
 
         self.max_rows = min(max_rows, gemv.MAX_ROWS)
         self.max_weight_elements = max_weight_elements
+        self.any_weight_max_rows = any_weight_max_rows
         self.interpret = interpret
-        log.info("dense matmuls: %s for steps of <= %d tokens and weights of <= %d elements, XLA (one-token steps as "
-                 "two rows) otherwise", gemv.path_name(interpret), self.max_rows, max_weight_elements)
+        log.info("dense matmuls: %s (norm / SwiGLU prologues fused) for steps of <= %d tokens and weights of <= %d "
+                 "elements (any weight at <= %d tokens), XLA (one-token steps as two rows) otherwise",
+                 gemv.path_name(interpret), self.max_rows, max_weight_elements, any_weight_max_rows)
 
-    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
-        """x [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer` instead."""
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer,
+                 prologue: Prologue | None = None) -> jax.Array:
+        """prologue(x) [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer`
+        instead, and runs the prologue itself."""
         from pallas_kernels.gemv import gemv
 
-        if _rows(x) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
-            return two_row_dot(x, w)
-        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
+        rows = _rows(x)
+        if rows > self.max_rows or (w.shape[0] * w.shape[1] > self.max_weight_elements
+                                    and rows > self.any_weight_max_rows):
+            return two_row_dot(prologue(x) if prologue else x, w)
+        p = prologue or Prologue()
+        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, norm_weight=p.norm_stack, eps=p.eps, silu=p.silu,
+                   interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -111,8 +146,11 @@ class PallasMatmul:
         return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
 
 
-def make(kind: str, interpret: bool | None = None) -> XlaMatmul | PallasMatmul | None:
-    """None for "xla-plain" (the model's plain `@` code path, unchanged), else the hook."""
+def make(kind, interpret: bool | None = None) -> XlaMatmul | PallasMatmul | None:
+    """None for "xla-plain" (the model's plain `@` code path, unchanged), else the hook; a hook object passes through
+    (benchmarks build variants)."""
+    if not isinstance(kind, str):
+        return kind
     kind = resolve(kind)
     if kind == "xla-plain":
         log.info("dense matmuls: XLA (plain)")
