@@ -220,10 +220,10 @@ def run_e2e(args) -> list[dict]:
     rows = []
     for variant in args.variants:
         matmul, layout = variant.rsplit("-", 1)
-        if matmul == "pallas0":  # the GEMV for the small matrices only, every prologue in XLA (the default until
-            from jphoton.models.matmul import PallasMatmul  # 2026-11-23's fused prologues)
+        if matmul == "pallas-prologue":  # every matrix through the GEMV at one token, norm / SwiGLU in the kernel
+            from jphoton.models.matmul import PallasMatmul
 
-            matmul = PallasMatmul(any_weight_max_rows=0)
+            matmul = PallasMatmul(any_weight_max_rows=1, fuse_prologues=True)
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -268,9 +268,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
-    ap.add_argument("--variants", nargs="+", default=["xla-fused", "pallas0-fused", "pallas-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py) or pallas0 (GEMV for "
-                         "matrices < 10M elements only, prologues in XLA), LAYOUT unfused|fused")
+    ap.add_argument("--variants", nargs="+", default=["xla-fused", "pallas-fused", "pallas-prologue-fused"],
+                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py) or pallas-prologue "
+                         "(every matrix through the GEMV at one token, norm / SwiGLU in the kernel), LAYOUT "
+                         "unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()
@@ -284,7 +285,8 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        if v.rsplit("-", 1)[0] not in ("xla", "xla-plain", "pallas", "pallas0") or not v.endswith(("-unfused", "-fused")):
+        matmuls = ("xla", "xla-plain", "pallas", "pallas-prologue")
+        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

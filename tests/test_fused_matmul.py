@@ -59,7 +59,8 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
     # one token: every matrix takes the GEMV whatever its size, norm and SwiGLU activation in its prologue
     one = tokens[:1, :1]
     ref_h1, _ = _hidden(params, cfg, one)
-    h1, _ = _hidden(fused, cfg, one, PallasMatmul(interpret=True, max_weight_elements=3000), unroll=True)
+    mm = PallasMatmul(interpret=True, max_weight_elements=3000, any_weight_max_rows=1, fuse_prologues=True)
+    h1, _ = _hidden(fused, cfg, one, mm, unroll=True)
     np.testing.assert_allclose(h1, ref_h1, rtol=1e-4, atol=1e-4)
 
     consumed = dict(params, layers=dict(params["layers"]))

@@ -12,8 +12,13 @@ A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the laye
 and with the stacked weight [L, K, N] + layer index (what the kernel reads: a Pallas call fed a slice of the stack would
 make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic), and optionally with the
 elementwise step that produces its input (`Prologue`: the RMSNorm before QKV and gate/up, the SwiGLU activation
-before down). XLA fuses those into whatever kernel it likes; the GEMV runs them in its own prologue, which at one token
-removes a kernel launch each (a decode step at B=1 is ~100 small kernels of ~1.5 us, RESULTS.md kernel profile).
+before down). XLA fuses those with its neighbours; the GEMV can run them in its own prologue (`fuse_prologues`), which
+was meant to save a kernel launch each at B=1 but measured slower (RESULTS.md, 2026-11-23 17:15: the norm prologue
+made the QKV GEMV 6.7 -> 10.9 us, the SwiGLU prologue made down 13 -> 28 us), so it is off by default.
+
+GPU default ("auto"): "xla". In the same H100 run, the engine's 1B decode step took 1.304 / 1.616 ms (B=1 / 32) with
+"xla" against 1.336 / 1.722 ms with "pallas" (RESULTS.md): the GEMV wins its matrices alone (QKV 1.85x) but the step
+loses, the XLA dots fusing the norms and adds around them.
 """
 
 from __future__ import annotations
@@ -31,16 +36,16 @@ log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "pallas")
 # "auto" resolves to this on GPU: the GEMV for the small matrices (QKV, O), XLA for the rest (RESULTS.md, issue 8).
-GPU_DEFAULT = "pallas"
+GPU_DEFAULT = "xla"
 # Most tokens in a step for which "pallas" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
 # Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
 # the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
 # range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M)...
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
-# ...except in steps of at most this many tokens, where every layer matrix takes the GEMV: tied on the matrix itself,
-# it also runs the norm / activation before it and needs no two-row padding, each a kernel launch saved.
-PALLAS_ANY_WEIGHT_MAX_ROWS = 1
+# ...except in steps of at most this many tokens (0 = none), where every layer matrix takes the GEMV (with
+# fuse_prologues: its norm / activation in the kernel, no two-row padding). Measured slower, see the module docstring.
+PALLAS_ANY_WEIGHT_MAX_ROWS = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +116,19 @@ class PallasMatmul:
     """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU."""
 
     def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
-                 any_weight_max_rows: int = PALLAS_ANY_WEIGHT_MAX_ROWS, interpret: bool | None = None):
+                 any_weight_max_rows: int = PALLAS_ANY_WEIGHT_MAX_ROWS, fuse_prologues: bool = False,
+                 interpret: bool | None = None):
         from pallas_kernels import gemv
 
         self.max_rows = min(max_rows, gemv.MAX_ROWS)
         self.max_weight_elements = max_weight_elements
         self.any_weight_max_rows = any_weight_max_rows
+        self.fuse_prologues = fuse_prologues
         self.interpret = interpret
-        log.info("dense matmuls: %s (norm / SwiGLU prologues fused) for steps of <= %d tokens and weights of <= %d "
+        log.info("dense matmuls: %s (norm / SwiGLU prologues %s) for steps of <= %d tokens and weights of <= %d "
                  "elements (any weight at <= %d tokens), XLA (one-token steps as two rows) otherwise",
-                 gemv.path_name(interpret), self.max_rows, max_weight_elements, any_weight_max_rows)
+                 gemv.path_name(interpret), "in the kernel" if fuse_prologues else "in XLA", self.max_rows,
+                 max_weight_elements, any_weight_max_rows)
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer,
                  prologue: Prologue | None = None) -> jax.Array:
@@ -133,6 +141,8 @@ class PallasMatmul:
                                     and rows > self.any_weight_max_rows):
             return two_row_dot(prologue(x) if prologue else x, w)
         p = prologue or Prologue()
+        if not self.fuse_prologues:
+            x, p = p(x), Prologue()
         out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, norm_weight=p.norm_stack, eps=p.eps, silu=p.silu,
                    interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
