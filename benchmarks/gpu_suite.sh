@@ -73,6 +73,11 @@ for section in "$@"; do
         --backends expert_centric --batch 1 8 32 --out "$OUT/moe-e2e-ec.json" ;;
     probe-h2d)  # host cost of a host->device argument while the GPU is busy, with controls (benchmarks/probes/)
       run probe-h2d python3 benchmarks/probes/h2d_while_busy.py ;;
+    probe-dispatch)  # host ms per dispatch of the 1B decode step (host / device / carried input) and of the masked
+      # sampler, GPU busy, B = 1 and 32: with XLA's default CUDA-graph (command buffer) setting, then with it off
+      run probe-dispatch python3 benchmarks/probes/dispatch_cost.py --out "$OUT" --tag default
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run probe-dispatch-nographs \
+        python3 benchmarks/probes/dispatch_cost.py --out "$OUT" --tag no-command-buffers ;;
     kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 32; 512 tokens of context)
       run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 32:0 \
         --out "$OUT/kernel-profile.json" ;;
