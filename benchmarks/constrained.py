@@ -60,8 +60,8 @@ def device_ms(llm, rows: int, masked: bool) -> float:
     sampler_input = jax.device_put(inp.buffer, runner.device)
 
     def masked_sampler(slot):
-        slot.tokens, slot.logprobs, slot.top_ids, _ = runner._resample(
-            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, sampler_input)
+        slot.tokens, slot.logprobs, slot.top_ids, runner.carrier = runner._resample(
+            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, runner.carrier, sampler_input)
 
     return device_step_ms(llm, rows, then=masked_sampler if masked else None)
 

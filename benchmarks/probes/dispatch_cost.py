@@ -8,12 +8,12 @@ probe separates the parts, with the GPU kept busy by the steps queued before eac
   step(host input)        the jitted step, packed input as a numpy array (one host->device copy in the call)
   step(device input)      the same, input already on the device
   sampler                 the masked sampler (bitmask + sampler fields + carrier of the next input: one copy)
-  step(carried input)     the step, input = the carrier the sampler just returned (a free step after a grammar step)
+  step(carried input)     the step, input = the carrier the sampler just wrote (the step after a grammar step)
   step(after sampler)     the step after a sampler, input a device array computed long before (only the tokens come
-                          from the sampler): does the dependency or the carrier's new buffer cost the time?
-  sampler(donated) + step(stable carrier)
-                          the sampler writing the carrier into one persistent device buffer (donated, so its address
-                          never changes), and the step on it
+                          from the sampler)
+
+(On 2026-11-23 17:30 the sampler returned its carrier as a new array each time, and the step that took it cost ~1 ms
+more host time than one on a device input; the carrier is now one donated persistent buffer. RESULTS.md.)
 
 and the device time of a step back to back. Run once per XLA_FLAGS setting (gpu_suite.sh section probe-dispatch),
 since how XLA launches the step's ~100-400 kernels (one by one or as a CUDA graph) is what the host pays for.
@@ -55,23 +55,11 @@ def _step(runner, shape, packed):
 def _sampler(runner, slot, inp):
     """The masked sampler on the step just dispatched (Runner._dispatch_resample); (carrier, host seconds)."""
     t0 = time.perf_counter()
-    slot.tokens, slot.logprobs, slot.top_ids, carried = runner._resample(
-        *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, inp.buffer)
+    slot.tokens, slot.logprobs, slot.top_ids, runner.carrier = runner._resample(
+        *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, runner.carrier, inp.buffer)
     dt = time.perf_counter() - t0
     runner._prev_tokens = slot.tokens
-    return carried, dt
-
-
-def _donated_sampler(runner):
-    """The masked sampler with the carrier written into a donated persistent buffer (its address stays the same)."""
-    from jphoton.engine.step import resample
-
-    def into(carrier_buf, logits, tokens, logprobs, top_ids, inputs):
-        tokens, logprobs, top_ids, carried = resample(False, 0, True, logits, tokens, logprobs, top_ids, inputs)
-        return tokens, logprobs, top_ids, jax.lax.dynamic_update_slice(carrier_buf, carried, (0,))
-
-    on_device = jax.sharding.SingleDeviceSharding(runner.device)
-    return jax.jit(into, donate_argnums=(0, 2, 3, 4), in_shardings=on_device, out_shardings=on_device)
+    return runner.carrier, dt
 
 
 def measure(runner, shape, context: int, reps: int) -> dict:
@@ -79,29 +67,14 @@ def measure(runner, shape, context: int, reps: int) -> dict:
     host = np.asarray(jax.device_get(dev))
     inp = runner._sampler_input((False, 0, True))
     inp.carrier[:] = host
-    donated = _donated_sampler(runner)
-    stable = jax.device_put(host, runner.device)
-
-    def sampler_donated(slot):
-        nonlocal stable
-        t0 = time.perf_counter()
-        slot.tokens, slot.logprobs, slot.top_ids, stable = donated(
-            stable, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, inp.buffer)
-        dt = time.perf_counter() - t0
-        runner._prev_tokens = slot.tokens
-        return dt
-
     steps_back_to_back(runner, shape, dev, 3)  # compile + warm
     slot, _ = _step(runner, shape, host)
     carried, _ = _sampler(runner, slot, inp)
-    slot, _ = _step(runner, shape, carried)
-    sampler_donated(slot)
-    _step(runner, shape, stable)
+    _step(runner, shape, carried)
     jax.block_until_ready(runner.kv)
     device_ms = 1e3 * steps_back_to_back(runner, shape, dev, reps)
     out: dict[str, list[float]] = {"step_host_input": [], "step_device_input": [], "sampler": [],
-                                   "step_carried_input": [], "step_after_sampler": [], "sampler_donated": [],
-                                   "step_stable_carrier": []}
+                                   "step_carried_input": [], "step_after_sampler": []}
     for _ in range(reps):
         for _ in range(4):  # keep the GPU busy: the timed calls below queue behind these
             _step(runner, shape, dev)
@@ -114,11 +87,8 @@ def measure(runner, shape, context: int, reps: int) -> dict:
         slot, t = _step(runner, shape, carried)
         out["step_carried_input"].append(t)
         carried, _ = _sampler(runner, slot, inp)
-        slot, t = _step(runner, shape, dev)
+        _, t = _step(runner, shape, dev)
         out["step_after_sampler"].append(t)
-        out["sampler_donated"].append(sampler_donated(slot))
-        _, t = _step(runner, shape, stable)
-        out["step_stable_carrier"].append(t)
         jax.block_until_ready(runner.kv)
     return {"rows": shape.decode_rows, "device_step_ms": device_ms,
             **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in out.items()}}
@@ -153,8 +123,7 @@ def main() -> None:
         print(f"[{args.tag}] B={b}: device step {r['device_step_ms']:.3f} ms; host per call: step(host input) "
               f"{r['step_host_input_ms']:.3f}, step(device input) {r['step_device_input_ms']:.3f}, sampler "
               f"{r['sampler_ms']:.3f}, step(carried input) {r['step_carried_input_ms']:.3f}, step(after sampler) "
-              f"{r['step_after_sampler_ms']:.3f}, sampler(donated) {r['sampler_donated_ms']:.3f}, step(stable "
-              f"carrier) {r['step_stable_carrier_ms']:.3f} ms", flush=True)
+              f"{r['step_after_sampler_ms']:.3f} ms", flush=True)
     if args.out:
         write_json(f"{args.out}/dispatch-{args.tag}.json", {"info": info, "model": args.model, "rows": rows})
 

@@ -124,9 +124,10 @@ class Runner:
         self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
                              static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
                              out_shardings=on_device)
-        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6),
+        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=on_device, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
+        self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
 
     def _zeros(self, shape, dtype) -> jax.Array:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -272,12 +273,12 @@ class Runner:
         feeds_next = self._prev_tokens is slot.tokens
         self.input_transfers += 1
         with _input_transfer():
-            slot.tokens, slot.logprobs, slot.top_ids, carried = self._resample(
-                *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, inp.buffer)
+            slot.tokens, slot.logprobs, slot.top_ids, self.carrier = self._resample(
+                *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, inp.buffer)
         slot.resampled = inp.variant
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
             self._prev_tokens = slot.tokens
-        return carried
+        return self.carrier
 
     def _dispatch(self, shape: StepShape, packed: np.ndarray | jax.Array, record=None) -> DecodeSlot:
         """Run one step into the next slot: one host->device copy (none if packed is already on the device), outputs

@@ -161,14 +161,16 @@ def sampler_input_size(max_rows: int, mask_words: int, carrier: int) -> int:
     return max_rows * (mask_words + SAMPLER_ROW_FIELDS) + carrier
 
 
-def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, logprobs_buf, top_ids_buf, inputs):
+def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, logprobs_buf, top_ids_buf, carrier_buf,
+             inputs):
     """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p, logprobs or a
     grammar. inputs: one int32 vector, [R, W] token bitmask if masked (W = ceil(V / 32) words, bit v % 32 of word
     v // 32 = token v allowed, all ones for free rows), then [R, 7] per-row fields (temperature bits, top_k, top_p
-    bits, key (2 words), sample index, logprobs wanted), then a carrier: words passed through untouched and returned as
-    a device array (the next step's packed input, so that it needs no transfer of its own). Every row is re-sampled
+    bits, key (2 words), sample index, logprobs wanted), then a carrier: words copied into `carrier_buf` (the next
+    step's packed input, so that it needs no transfer of its own; the buffer is donated and persistent, so the step that
+    reads it always finds it at the same address, and nothing is allocated per step). Every row is re-sampled
     from its own key, so a free row draws what the fused sampler drew. Logprobs are those of the raw model
-    distribution (before temperature and mask). Returns (tokens, logprobs, top_ids, carrier)."""
+    distribution (before temperature and mask). Returns (tokens, logprobs, top_ids, carrier_buf)."""
     R, V = logits.shape
     W = -(-V // 32) if masked else 0
     rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
@@ -185,7 +187,9 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
         tokens = sample_plain(scores, temperature, key, rows[:, 5])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
-    return tokens, logprobs_buf, top_ids_buf, carrier
+    if carrier.size:
+        carrier_buf = jax.lax.dynamic_update_slice(carrier_buf, carrier, (0,))
+    return tokens, logprobs_buf, top_ids_buf, carrier_buf
 
 
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
