@@ -11,6 +11,9 @@ probe separates the parts, with the GPU kept busy by the steps queued before eac
   step(carried input)     the step, input = the carrier the sampler just wrote (the step after a grammar step)
   step(after sampler)     the step after a sampler, input a device array computed long before (only the tokens come
                           from the sampler)
+  worker                  that same dependent step dispatched from a second thread while the main thread runs ~1 ms
+                          of pure Python: the main thread's slowdown says whether the call holds the GIL while it
+                          waits (if not, a dispatcher thread would hide the wait behind the commit's Python work)
 
 (On 2026-11-23 17:30 the sampler returned its carrier as a new array each time, and the step that took it cost ~1 ms
 more host time than one on a device input; the carrier is now one donated persistent buffer. RESULTS.md.)
@@ -25,6 +28,7 @@ since how XLA launches the step's ~100-400 kernels (one by one or as a CUDA grap
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import statistics
 import sys
@@ -62,6 +66,19 @@ def _sampler(runner, slot, inp):
     return runner.carrier, dt
 
 
+def _python_work(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i & 7
+    return x
+
+
+def _python_seconds(n: int) -> float:
+    t0 = time.perf_counter()
+    _python_work(n)
+    return time.perf_counter() - t0
+
+
 def measure(runner, shape, context: int, reps: int) -> dict:
     dev = decode_step_input(runner, shape, context)
     host = np.asarray(jax.device_get(dev))
@@ -74,7 +91,12 @@ def measure(runner, shape, context: int, reps: int) -> dict:
     jax.block_until_ready(runner.kv)
     device_ms = 1e3 * steps_back_to_back(runner, shape, dev, reps)
     out: dict[str, list[float]] = {"step_host_input": [], "step_device_input": [], "sampler": [],
-                                   "step_carried_input": [], "step_after_sampler": []}
+                                   "step_carried_input": [], "step_after_sampler": [], "worker_call": [],
+                                   "main_python_alone": [], "main_python_beside_worker": []}
+    n = 20_000
+    while _python_seconds(n) < 1e-3:  # ~1 ms of pure Python on this host
+        n *= 2
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     for _ in range(reps):
         for _ in range(4):  # keep the GPU busy: the timed calls below queue behind these
             _step(runner, shape, dev)
@@ -89,6 +111,15 @@ def measure(runner, shape, context: int, reps: int) -> dict:
         carried, _ = _sampler(runner, slot, inp)
         _, t = _step(runner, shape, dev)
         out["step_after_sampler"].append(t)
+        jax.block_until_ready(runner.kv)
+        for _ in range(4):
+            _step(runner, shape, dev)
+        slot, _ = _step(runner, shape, dev)
+        _sampler(runner, slot, inp)
+        job = pool.submit(_step, runner, shape, dev)
+        out["main_python_beside_worker"].append(_python_seconds(n))
+        out["worker_call"].append(job.result()[1])
+        out["main_python_alone"].append(_python_seconds(n))
         jax.block_until_ready(runner.kv)
     return {"rows": shape.decode_rows, "device_step_ms": device_ms,
             **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in out.items()}}
@@ -123,7 +154,9 @@ def main() -> None:
         print(f"[{args.tag}] B={b}: device step {r['device_step_ms']:.3f} ms; host per call: step(host input) "
               f"{r['step_host_input_ms']:.3f}, step(device input) {r['step_device_input_ms']:.3f}, sampler "
               f"{r['sampler_ms']:.3f}, step(carried input) {r['step_carried_input_ms']:.3f}, step(after sampler) "
-              f"{r['step_after_sampler_ms']:.3f} ms", flush=True)
+              f"{r['step_after_sampler_ms']:.3f} ms; on a worker thread {r['worker_call_ms']:.3f} ms while the main "
+              f"thread's ~1 ms of Python took {r['main_python_beside_worker_ms']:.3f} ms (alone "
+              f"{r['main_python_alone_ms']:.3f})", flush=True)
     if args.out:
         write_json(f"{args.out}/dispatch-{args.tag}.json", {"info": info, "model": args.model, "rows": rows})
 
