@@ -11,6 +11,8 @@ mask building on the host, the deferred (masked) sampler, and any GPU idle they 
   idle             period - device: what the GPU waits per step
   mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
   host             median host time per step: plan + launch + commit + finalize
+  inline           the same schema and free runs with the device calls made on the engine thread instead of the
+                   dispatcher thread (engine/dispatch.py), in the same process
 
     python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out DIR
@@ -34,6 +36,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks.common import device_info, write_json  # noqa: E402
 from benchmarks.pipeline import PROMPT, closed_loop, device_step_ms  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
+from jphoton.engine.dispatch import Dispatcher  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -97,8 +100,6 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-stream", type=int, default=3)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--switch-interval", type=float, default=2e-4,
-                    help="sys.setswitchinterval for the overlapped-masks variant (GIL hand-off latency)")
     ap.add_argument("--mask-threads", type=int, default=0, help="llguidance executor threads (0 = its default)")
     ap.add_argument("--mask-fill", choices=("auto", "parallel", "serial"), default="auto",
                     help="how grammar masks are filled (jphoton/constraints.py; auto = measured in the run)")
@@ -128,14 +129,6 @@ def main() -> None:
             return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, json_schema=schema)
 
         closed_loop(llm, n, 1, seed=99, make_params=guided)  # warm both paths
-        # Variant: masks filled on a worker thread while the commit finishes and the next step is planned.
-        llm.engine.overlap_masks = True
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(args.switch_interval)
-        o = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
-        o_tl = llm.engine.telemetry.timeline()
-        sys.setswitchinterval(switch)
-        llm.engine.overlap_masks = False
         g = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
         g_tl = llm.engine.telemetry.timeline()
         lengths = g["lengths"]
@@ -147,10 +140,18 @@ def main() -> None:
 
         f = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=free)
         f_tl = llm.engine.telemetry.timeline()
+        # Variant, same run: device calls inline on the engine thread instead of on the dispatcher thread.
+        threaded = llm.engine.runner.dispatcher
+        llm.engine.runner.dispatcher = Dispatcher(False)
+        o = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
+        o_tl = llm.engine.telemetry.timeline()
+        fi = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=free)
+        llm.engine.runner.dispatcher = threaded
         gs, fs, os_ = summarize(g, g_tl), summarize(f, f_tl), summarize(o, o_tl)
         dev_free, dev_guided = device_ms(llm, n, False), device_ms(llm, n, True)
-        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], schema_overlapped=os_,
-                   ratio_overlapped=os_["tok_s"] / fs["tok_s"], device_free_ms=dev_free,
+        fis = summarize(fi, llm.engine.telemetry.timeline())
+        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], schema_inline=os_,
+                   free_inline=fis, ratio_inline=os_["tok_s"] / fis["tok_s"], device_free_ms=dev_free,
                    device_schema_ms=dev_guided, idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
                    idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
                    valid=valid, requests=len(g["done"]), mask_fill=llm.grammar.fill_mode,
@@ -163,9 +164,9 @@ def main() -> None:
               f"finalize {gs['finalize_ms']:.3f} ms ({row['mask_fill']} fill), host {gs['host_ms']:.3f} vs "
               f"{fs['host_ms']:.3f} ms; schema phases (ms) "
               f"{ {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; free {fs['phases_ms'].get('commit', 0):.3f} commit; "
-              f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}; overlapped masks: "
-              f"{os_['tok_s']:.0f} tok/s = {row['ratio_overlapped']:.1%}, period {os_['period_ms']:.3f} ms",
-              flush=True)
+              f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}; device calls inline (no dispatcher "
+              f"thread): schema {os_['tok_s']:.0f} vs free {fis['tok_s']:.0f} tok/s = {row['ratio_inline']:.1%}, "
+              f"period {os_['period_ms']:.3f} vs {fis['period_ms']:.3f} ms", flush=True)
     print("sample outputs:", *samples[:3], sep="\n  ")
     write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "rows": rows,
                                                 "samples": samples[:4]})

@@ -48,6 +48,8 @@ class LLM:
     whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static";
     interpret mode, slow, on CPU) or "auto" ("pallas" on GPU, "dynamic" on CPU).
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
+    dispatch_thread: make the device calls on a dispatcher thread, in order, while this thread commits, plans and
+    builds grammar masks (engine/dispatch.py); False: inline.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
     """
@@ -60,7 +62,8 @@ class LLM:
                  context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
-                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto"):
+                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto",
+                 dispatch_thread: bool = True):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
@@ -114,7 +117,7 @@ class LLM:
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
                              max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs,
-                             grammar=self.grammar)
+                             grammar=self.grammar, dispatch_thread=dispatch_thread)
         buckets = f", context buckets {context_buckets} pages" if context_buckets else ""
         if attention == "pallas":
             from pallas_kernels.paged_decode_attention import path_name
@@ -122,9 +125,10 @@ class LLM:
             attn_desc = f"{path_name()} for decode rows, plain-JAX paged (static{buckets}) for prefill rows"
         else:
             attn_desc = f"plain-JAX paged ({attention}{buckets})"
-        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: %s, layers %s",
-                 num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attn_desc,
-                 "unrolled" if unroll_layers else "scanned")
+        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: %s, layers %s, device "
+                 "calls %s", num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attn_desc,
+                 "unrolled" if unroll_layers else "scanned",
+                 "on a dispatcher thread" if dispatch_thread else "inline")
         if warmup:
             self.engine.runner.warmup(progress=progress)
         self._outputs: dict[int, collections.deque[Output]] = {}

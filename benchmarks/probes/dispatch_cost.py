@@ -45,7 +45,7 @@ from jphoton.engine.step import StepShape  # noqa: E402
 
 
 def _step(runner, shape, packed):
-    """One step into the next slot, as Runner._dispatch does; returns the host seconds the call took."""
+    """One step into the next slot, as Runner._dispatch_into does; returns the host seconds the call took."""
     slot = runner.slots[runner._next_slot]
     t0 = time.perf_counter()
     slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
@@ -57,7 +57,7 @@ def _step(runner, shape, packed):
 
 
 def _sampler(runner, slot, inp):
-    """The masked sampler on the step just dispatched (Runner._dispatch_resample); (carrier, host seconds)."""
+    """The masked sampler on the step just dispatched (Runner._resample_into); (carrier, host seconds)."""
     t0 = time.perf_counter()
     slot.tokens, slot.logprobs, slot.top_ids, runner.carrier = runner._resample(
         *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, runner.carrier, inp.buffer)

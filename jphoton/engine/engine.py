@@ -39,14 +39,15 @@ class Output:
 
 class Engine:
     def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
-                 pipeline_depth: int = 1, max_logprobs: int = 20, grammar: GrammarCompiler | None = None):
+                 pipeline_depth: int = 1, max_logprobs: int = 20, grammar: GrammarCompiler | None = None,
+                 dispatch_thread: bool = True):
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {pipeline_depth!r}")
         self.depth = pipeline_depth
         self.pages = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(sched, self.pages)
         self.runner = Runner(model, sched=sched, num_pages=num_pages, page_size=page_size,
-                             max_model_len=max_model_len, max_logprobs=max_logprobs)
+                             max_model_len=max_model_len, max_logprobs=max_logprobs, dispatch_thread=dispatch_thread)
         self.max_model_len = max_model_len
         self.inflight: collections.deque[DecodeSlot] = collections.deque()
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id

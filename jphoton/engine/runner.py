@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.constraints import mask_words
+from jphoton.engine.dispatch import Dispatcher
 from jphoton.engine.scheduler import SchedulerConfig, StepPlan
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
@@ -51,6 +52,12 @@ class DecodeSlot:
     plan: StepPlan | None = None  # the step occupying the slot, until its commit
     resampled: tuple[bool, int, bool] | None = None  # which second sampler ran, if any
     awaiting_mask: bool = False  # a grammar row's token is sampled only at finalize, after the previous commit
+    job: object = None  # the dispatcher job that last wrote the arrays above (None: done inline)
+
+
+# `finalize` returns this in place of the carried input (the device array exists only once the sampler's job has run);
+# `launch` then reads the runner's carrier buffer when its own job runs.
+CARRIED = "carried"
 
 
 @dataclasses.dataclass
@@ -84,7 +91,7 @@ def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
 
 class Runner:
     def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
-                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None):
+                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None, dispatch_thread: bool = True):
         cfg = model.config
         self.model = model
         self.sched = sched
@@ -128,6 +135,10 @@ class Runner:
                                  in_shardings=on_device, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
+        # Device calls (and the device state they replace: kv, slot arrays, carrier, _prev_tokens) belong to the
+        # dispatcher's jobs; the engine thread keeps to host bookkeeping and waits only in fetch (engine/dispatch.py).
+        self.dispatcher = Dispatcher(dispatch_thread)
+        self._last_launched: DecodeSlot | None = None
 
     def _zeros(self, shape, dtype) -> jax.Array:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -148,11 +159,13 @@ class Runner:
             from tqdm import tqdm
 
             it = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for shape in it:
+        self.dispatcher.drain()
+        for shape in it:  # slots alternate as in serving: a step never donates the buffer it reads as prev_tokens
             inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
-            self._dispatch(shape, inputs)
+            self._dispatch_into(self.slots[self._next_slot], shape, inputs)
+            self._next_slot ^= 1
         for variant in self.resample_variants():
-            self._dispatch_resample(self.slots[0], self._sampler_input(variant))
+            self._resample_into(self.slots[0], self._sampler_input(variant))
         jax.block_until_ready(self.kv)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
@@ -223,41 +236,54 @@ class Runner:
         return inp
 
     def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False,
-               packed: tuple[StepShape, np.ndarray | jax.Array] | None = None) -> DecodeSlot:
+               packed: tuple[StepShape, np.ndarray | str] | None = None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
-        forward (and the logits) run now all the same. packed: `pack(plan)` if done ahead, or the device array that
-        `finalize` returned for it."""
+        forward (and the logits) run now all the same. packed: `pack(plan)` if done ahead, or what `finalize`
+        returned for it (the input rode in the sampler's transfer)."""
         shape, packed = packed or self.pack(plan)
         if record is not None:
             record.t_packed = time.perf_counter()
-        slot = self._dispatch(shape, packed, record)
-        slot.plan = plan
-        slot.awaiting_mask = defer_sampling
-        slot.resampled = None
-        if not defer_sampling:
-            second = self.sampler_input(plan)
+        slot = self.slots[self._next_slot]
+        assert slot.plan is None, "slot reused before the commit that reads it"
+        self._next_slot ^= 1
+        self._last_launched = slot
+        second = None if defer_sampling else self.sampler_input(plan)
+        slot.plan, slot.awaiting_mask = plan, defer_sampling
+        slot.resampled = second.variant if second is not None else None
+        self.input_transfers += (packed is not CARRIED) + (second is not None)
+
+        def job():
+            self._dispatch_into(slot, shape, self.carrier if packed is CARRIED else packed, record)
             if second is not None:
-                self._dispatch_resample(slot, second)
-            self._copy_to_host(slot)
+                self._resample_into(slot, second)
+            if not defer_sampling:
+                self._copy_to_host(slot)
+
+        slot.job = self.dispatcher.submit(job)
         return slot
 
     def finalize(self, slot: DecodeSlot, inp: SamplerInput,
-                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, jax.Array] | None:
+                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, str] | None:
         """Sample a deferred step with its grammar masks (`inp` from `sampler_input(slot.plan, masked=True)`, mask
         rows filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads
         its tokens. then: the next step's packed input, if already planned: it rides in this transfer, and the
-        returned (shape, device array) is what `launch` takes for it, so that the step costs no transfer of its own."""
-        assert slot.awaiting_mask and self._prev_tokens is slot.tokens, "finalize out of order"
+        returned (shape, CARRIED) is what `launch` takes for it, so that the step costs no transfer of its own."""
+        assert slot.awaiting_mask and slot is self._last_launched, "finalize out of order"
         assert inp.variant[2], "finalize needs a masked sampler input"
         if then is not None and then[1].size != inp.carrier.size:  # a shape outside the buckets (benchmarks only)
             then = None
         if then is not None:
             inp.carrier[:] = then[1]
-        carried = self._dispatch_resample(slot, inp)
-        slot.awaiting_mask = False
-        self._copy_to_host(slot)
-        return (then[0], carried) if then is not None else None
+        slot.awaiting_mask, slot.resampled = False, inp.variant
+        self.input_transfers += 1
+
+        def job():
+            self._resample_into(slot, inp)
+            self._copy_to_host(slot)
+
+        slot.job = self.dispatcher.submit(job)
+        return (then[0], CARRIED) if then is not None else None
 
     @staticmethod
     def _copy_to_host(slot: DecodeSlot) -> None:
@@ -268,38 +294,31 @@ class Runner:
                 slot.logprobs.copy_to_host_async()
                 slot.top_ids.copy_to_host_async()
 
-    def _dispatch_resample(self, slot: DecodeSlot, inp: SamplerInput) -> jax.Array:
+    def _resample_into(self, slot: DecodeSlot, inp: SamplerInput) -> None:
         # One more host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
         feeds_next = self._prev_tokens is slot.tokens
-        self.input_transfers += 1
         with _input_transfer():
             slot.tokens, slot.logprobs, slot.top_ids, self.carrier = self._resample(
                 *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, inp.buffer)
-        slot.resampled = inp.variant
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
             self._prev_tokens = slot.tokens
-        return self.carrier
 
-    def _dispatch(self, shape: StepShape, packed: np.ndarray | jax.Array, record=None) -> DecodeSlot:
-        """Run one step into the next slot: one host->device copy (none if packed is already on the device), outputs
-        and KV donated."""
-        slot = self.slots[self._next_slot]
-        assert slot.plan is None, "slot reused before the commit that reads it"
+    def _dispatch_into(self, slot: DecodeSlot, shape: StepShape, packed: np.ndarray | jax.Array, record=None) -> None:
+        """Run one step into `slot`: one host->device copy (none if packed is already on the device), outputs and KV
+        donated."""
         if record is not None:
             record.t_put = time.perf_counter()
-        self.input_transfers += isinstance(packed, np.ndarray)
         with _input_transfer():
             slot.tokens, slot.logits, self.kv = self._step(
                 shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
-        self._next_slot ^= 1
-        return slot
 
     def fetch(self, slot: DecodeSlot) -> StepResult:
         """Wait for the slot's host copy (explicit transfer) and free the slot."""
         assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
+        self.dispatcher.wait(slot.job)
         want_lp = bool(slot.resampled and slot.resampled[1])
         tokens = jax.device_get(slot.tokens)
         lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
