@@ -49,7 +49,8 @@ class LLM:
     interpret mode, slow, on CPU) or "auto" ("pallas" on GPU, "dynamic" on CPU).
     dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
     dispatch_thread: make the device calls on a dispatcher thread, in order, while this thread commits, plans and
-    builds grammar masks (engine/dispatch.py); False: inline.
+    builds grammar masks (engine/dispatch.py). Off by default: on the H100 it shortened the 32-stream step period by
+    10% and slowed 1 and 8 streams by up to 12% (RESULTS.md).
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
     """
@@ -63,7 +64,7 @@ class LLM:
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
                  tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto",
-                 dispatch_thread: bool = True):
+                 dispatch_thread: bool = False):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))

@@ -93,8 +93,9 @@ def runs():
     one engine per depth."""
     results = {}
     for depth in (1, 2):
-        llm = make_llm(pipeline_depth=depth)
-        llm.engine.overlap_masks = depth == 2  # depth 2 fills masks on the worker thread, overlapping the commit
+        # depth 2 fills masks on the worker thread, overlapping the commit, and dispatches on the dispatcher thread
+        llm = make_llm(pipeline_depth=depth, dispatch_thread=depth == 2)
+        llm.engine.overlap_masks = depth == 2
         for temperature in (0.0, 0.8):
             constrained, free, transfers = run_batch(llm, temperature)
             results[depth, temperature] = (constrained, free, list(llm.engine.telemetry.records), transfers)

@@ -26,7 +26,9 @@ def hf():
 
 @pytest.fixture(scope="module")
 def embedded_d2():
-    return make_llm(pipeline_depth=2)
+    # The depth-2 engine also makes its device calls on the dispatcher thread, so that every depth-2 test (reference
+    # tokens, zombies, transfer guard) covers that path too.
+    return make_llm(pipeline_depth=2, dispatch_thread=True)
 
 
 def _greedy(n):

@@ -40,7 +40,7 @@ class Output:
 class Engine:
     def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
                  pipeline_depth: int = 1, max_logprobs: int = 20, grammar: GrammarCompiler | None = None,
-                 dispatch_thread: bool = True):
+                 dispatch_thread: bool = False):
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {pipeline_depth!r}")
         self.depth = pipeline_depth

@@ -91,7 +91,7 @@ def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
 
 class Runner:
     def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
-                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None, dispatch_thread: bool = True):
+                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None, dispatch_thread: bool = False):
         cfg = model.config
         self.model = model
         self.sched = sched
