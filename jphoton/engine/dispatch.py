@@ -30,7 +30,6 @@ _GUARDS = (("jax_transfer_guard_host_to_device", jax.transfer_guard_host_to_devi
 
 class Dispatcher:
     def __init__(self, threaded: bool):
-        self.threaded = threaded
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-dispatch")
                       if threaded else None)
         self._last: concurrent.futures.Future | None = None

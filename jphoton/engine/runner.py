@@ -55,9 +55,15 @@ class DecodeSlot:
     job: object = None  # the dispatcher job that last wrote the arrays above (None: done inline)
 
 
-# `finalize` returns this in place of the carried input (the device array exists only once the sampler's job has run);
-# `launch` then reads the runner's carrier buffer when its own job runs.
-CARRIED = "carried"
+class _Carried:
+    """`finalize` returns this in place of the carried input (the device array exists only once the sampler's job has
+    run); `launch` then reads the runner's carrier buffer when its own job runs."""
+
+    def __repr__(self) -> str:
+        return "CARRIED"
+
+
+CARRIED = _Carried()
 
 
 @dataclasses.dataclass
@@ -236,7 +242,7 @@ class Runner:
         return inp
 
     def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False,
-               packed: tuple[StepShape, np.ndarray | str] | None = None) -> DecodeSlot:
+               packed: tuple[StepShape, np.ndarray | _Carried] | None = None) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
         forward (and the logits) run now all the same. packed: `pack(plan)` if done ahead, or what `finalize`
@@ -264,7 +270,7 @@ class Runner:
         return slot
 
     def finalize(self, slot: DecodeSlot, inp: SamplerInput,
-                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, str] | None:
+                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, _Carried] | None:
         """Sample a deferred step with its grammar masks (`inp` from `sampler_input(slot.plan, masked=True)`, mask
         rows filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads
         its tokens. then: the next step's packed input, if already planned: it rides in this transfer, and the

@@ -35,7 +35,7 @@ from jphoton.models.layers import dense, rms_norm, silu_mul
 log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "pallas")
-# "auto" resolves to this on GPU: the GEMV for the small matrices (QKV, O), XLA for the rest (RESULTS.md, issue 8).
+# "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
 GPU_DEFAULT = "xla"
 # Most tokens in a step for which "pallas" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
