@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 import jax
+import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
@@ -42,16 +43,17 @@ def compiled_text(runner, shape: StepShape) -> str:
                               packed).compile().as_text()
 
 
-def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str]]:
+def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str], list[tuple[int, int, str]]]:
     """Nanoseconds per name, summed over the trace: {"ops": XLA op spans, "kernels": stream events} on GPU planes (on
-    the CPU, the XLA client thread's events under both keys, enough to test the plumbing), and the line names seen."""
+    the CPU, the XLA client thread's events under both keys, enough to test the plumbing), the line names seen, and
+    every kernel event as (start ns, duration ns, name) in time order."""
     from jax.profiler import ProfileData
 
     [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     data = ProfileData.from_file(path)
     totals: dict[str, dict[str, float]] = {"ops": collections.defaultdict(float),
                                            "kernels": collections.defaultdict(float)}
-    lines_seen = []
+    lines_seen, kernel_events = [], []
     for plane in data.planes:
         gpu = plane.name.startswith("/device:GPU")
         if not (gpu or plane.name == "/host:CPU"):
@@ -67,7 +69,23 @@ def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str
                     continue
                 for kind in kinds:
                     totals[kind][ev.name] += ev.duration_ns
-    return totals, lines_seen
+                if "kernels" in kinds:
+                    kernel_events.append((int(ev.start_ns), int(ev.duration_ns), ev.name))
+    return totals, lines_seen, sorted(kernel_events)
+
+
+def one_step_timeline(events: list[tuple[int, int, str]], steps: int) -> list[dict]:
+    """The kernels of one step (the middle one of `steps` back-to-back steps with the same kernel count each), in
+    order, with the idle gap before each: where launch latency and tiny kernels sit, which sums per name hide."""
+    if not events or len(events) % steps:
+        return []
+    n = len(events) // steps
+    step = events[(steps // 2) * n:(steps // 2 + 1) * n]
+    out, prev_end = [], step[0][0]
+    for start, dur, name in step:
+        out.append(dict(name=name, us=dur / 1e3, gap_us=max(0, start - prev_end) / 1e3))
+        prev_end = max(prev_end, start + dur)
+    return out
 
 
 def fusion_bodies(hlo: str, names: list[str], max_lines: int = 12) -> dict[str, str]:
@@ -95,15 +113,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ctx", type=int, default=512, help="tokens of context per decode row (pure decode shapes)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeline", type=int, default=60, help="kernels of one step printed in order")
+    ap.add_argument("--loop", type=int, nargs="*", default=[],
+                    help="also profile the engine's pipelined loop at these batch sizes (decode buckets)")
+    ap.add_argument("--loop-prompt", type=int, default=64, help="prompt tokens per request in --loop runs")
+    ap.add_argument("--loop-new", type=int, default=128, help="new tokens per request in --loop runs")
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.smoke:
         args.model, args.shapes, args.steps, args.ctx = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3, 64
+        args.loop, args.loop_prompt, args.loop_new = [2], 16, 8
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
-    decode = tuple(sorted({d for d, _ in shapes if d}))
-    prefill = tuple(sorted({(1, t) for _, t in shapes if t})) or ((1, 16),)
+    decode = tuple(sorted({d for d, _ in shapes if d} | set(args.loop)))
+    prefill = tuple(sorted({(1, t) for _, t in shapes if t} | {(1, args.loop_prompt) for _ in args.loop[:1]}))
+    prefill = prefill or ((1, 16),)
     extra = {}
     for kv in filter(None, args.llm_args.split(",")):
         k, v = kv.split("=", 1)
@@ -118,8 +143,11 @@ def main() -> None:
     runner = llm.engine.runner
     rows = []
     for d, t in shapes:
-        shape = next(s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
-                     and s.prefill_rows == (1 if t else 0))
+        shape = next((s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
+                      and s.prefill_rows == (1 if t else 0)), None)
+        if shape is None:  # a decode shape below the engine's smallest bucket (e.g. B=1 where the matmul wants 2 rows)
+            shape = StepShape(d, 0, 0, 0 if runner.static.pallas_decode else pages)
+            runner.layout(shape)
         run_steps(runner, shape, 3, args.ctx)
         hlo = compiled_text(runner, shape)
         wall = run_steps(runner, shape, args.steps, args.ctx)
@@ -127,7 +155,7 @@ def main() -> None:
             jax.profiler.start_trace(tmp)
             run_steps(runner, shape, args.steps, args.ctx)
             jax.profiler.stop_trace()
-            totals, lines = device_events(tmp)
+            totals, lines, events = device_events(tmp)
         row = dict(decode_rows=d, prefill_tokens=t, ms_per_step=1e3 * wall)
         print(f"\n== decode rows {d}, prefill tokens {t} ({shape}): {1e3 * wall:.3f} ms/step back to back", flush=True)
         for kind in ("ops", "kernels"):
@@ -142,13 +170,57 @@ def main() -> None:
             # every kernel is kept in the JSON (the printout shows --top): the tail is where launch overhead hides
             row[kind] = dict(busy_us=busy, count=len(per_step), top=dict(top),
                              all=dict(sorted(per_step.items(), key=lambda kv: -kv[1])))
+        timeline = one_step_timeline(events, args.steps)
+        row["timeline"] = timeline
+        if timeline:
+            span = sum(e["us"] + e["gap_us"] for e in timeline)
+            print(f"  one step: {len(timeline)} kernels, {sum(e['us'] for e in timeline):.1f} us busy, "
+                  f"{sum(e['gap_us'] for e in timeline):.1f} us of gaps, {span:.1f} us span; the first "
+                  f"{args.timeline} in order (gap before, duration):")
+            for e in timeline[:args.timeline]:
+                print(f"   +{e['gap_us']:5.1f} {e['us']:7.1f} us  {e['name'][:100]}")
+        else:
+            print(f"  one step: kernel events ({len(events)}) do not split into {args.steps} equal steps")
         kernels = list(row["kernels"]["all"])[:args.top]
+        kernels += [e["name"] for e in timeline[:args.timeline] if e["name"] not in kernels]
         row["fusions"] = fusion_bodies(hlo, kernels)
         for name in kernels[:6]:
             print(f"\n  -- {name}:\n" + row["fusions"].get(name, "(not found in the compiled HLO)"), flush=True)
         rows.append(row)
+    loops = [profile_loop(llm, b, args.loop_prompt, args.loop_new) for b in args.loop]
     if args.out:
-        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows})
+        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows,
+                              "loops": loops})
+
+
+def profile_loop(llm, batch: int, prompt_len: int, new_tokens: int, bubble_us: float = 20.0) -> dict:
+    """The engine's own pipelined loop (B requests at once, greedy, ignore_eos) under the profiler: per decode tick on
+    the host, and on the device how much of the run's span the GPU sat idle in gaps longer than `bubble_us` (a step's
+    own kernels follow each other within a few us; a longer gap is the GPU waiting for the host)."""
+    from benchmarks.common import timed_run
+    from jphoton import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(0, llm.config.vocab_size, prompt_len).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.engine.depth = 2
+    timed_run(llm, prompts, params, guard=False)  # compiles the shapes the run steps through
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        r = timed_run(llm, prompts, params, guard=False)
+        jax.profiler.stop_trace()
+        _, _, events = device_events(tmp)
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:])]
+    span = (events[-1][0] + events[-1][1] - events[0][0]) if events else 0
+    bubbles = sorted(g / 1e3 for g in gaps if g > bubble_us * 1e3)
+    row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_ms_median=r.decode_ms_median,
+               decode_steps=r.decode_steps, kernels=len(events), span_ms=span / 1e6,
+               busy_ms=sum(e[1] for e in events) / 1e6, bubbles=len(bubbles), bubble_ms=sum(bubbles) / 1e3,
+               bubble_us_median=bubbles[len(bubbles) // 2] if bubbles else 0.0)
+    print(f"\n== engine loop, B={batch}: {r.decode_ms_median:.3f} ms per decode tick (median of {r.decode_steps}); "
+          f"device: {row['busy_ms']:.1f} ms busy in a {row['span_ms']:.1f} ms span, {len(bubbles)} gaps > {bubble_us} "
+          f"us totalling {row['bubble_ms']:.2f} ms (median {row['bubble_us_median']:.1f} us)", flush=True)
+    return row
 
 
 if __name__ == "__main__":

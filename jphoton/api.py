@@ -106,9 +106,16 @@ class LLM:
                                  f"({pages_per_seq} pages of {page_size})")
         else:
             context_buckets = ()
+        decode_buckets = tuple(decode_buckets or _pow2_buckets(max_num_seqs))
+        if self.model.min_decode_rows > 1:  # e.g. one-row steps would pad every matmul (models/matmul.py)
+            rounded = tuple(sorted({max(b, self.model.min_decode_rows) for b in decode_buckets}))
+            if rounded != decode_buckets:
+                log.info("decode buckets %s -> %s: this model's matmuls run decode steps of >= %d rows",
+                         decode_buckets, rounded, self.model.min_decode_rows)
+            decode_buckets = rounded
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            decode_buckets=decode_buckets or _pow2_buckets(max_num_seqs),
+            decode_buckets=decode_buckets,
             prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens),
             context_buckets=context_buckets, pallas_decode=attention == "pallas")
         self.attention = attention

@@ -96,7 +96,10 @@ def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 class XlaMatmul:
     """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
-    a GEMM at any row count, so it is a plain dot."""
+    a GEMM at any row count, so it is a plain dot. The engine runs its decode steps with at least `min_rows` rows
+    (models/protocol.py), so in serving the padding happens once per step, not in every matmul."""
+
+    min_rows = 2
 
     def __init__(self):
         log.info("dense matmuls: XLA (one-token steps as two rows)")
@@ -113,7 +116,10 @@ class XlaMatmul:
 
 
 class PallasMatmul:
-    """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU."""
+    """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU.
+    min_rows as XlaMatmul: the matrices above the GEMV's size limit take two-row XLA dots."""
+
+    min_rows = 2
 
     def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
                  any_weight_max_rows: int = PALLAS_ANY_WEIGHT_MAX_ROWS, fuse_prologues: bool = False,

@@ -32,6 +32,10 @@ class JaxModel:
     logits: Callable
     tokenizer: Any = None
     name: str = ""
+    # Fewest rows a decode step should have: the engine rounds its decode buckets up to this (padding rows are free:
+    # a decode step reads every weight once whatever its row count). 2 where one-row dots would be padded inside every
+    # matmul anyway (models/matmul.py): padding the step once instead saves a pad and a slice kernel per matmul.
+    min_decode_rows: int = 1
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -55,4 +59,6 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
     def logits(params, hidden):
         return llama.lm_head(params, hidden, mm)
 
-    return JaxModel(config, params, forward, logits, tokenizer, name or config.name)
+    # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
+    min_rows = 1 if config.num_experts or mm is None else mm.min_rows
+    return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows)
