@@ -78,9 +78,11 @@ for section in "$@"; do
       run probe-dispatch python3 benchmarks/probes/dispatch_cost.py --out "$OUT" --tag default
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run probe-dispatch-nographs \
         python3 benchmarks/probes/dispatch_cost.py --out "$OUT" --tag no-command-buffers ;;
-    kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 32; 512 tokens of context)
-      run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 32:0 \
-        --out "$OUT/kernel-profile.json" ;;
+    kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 2, 32; 512 tokens of
+      # context; one step's kernels in order), then the engine's pipelined loop at B=1 and 32 under the profiler
+      # (device bubbles between steps)
+      run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 2:0 32:0 \
+        --loop 1 32 --out "$OUT/kernel-profile.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     attention)  # issue 8: Pallas paged decode attention vs the plain-JAX static gather vs the jnp reference, Llama-3.2-1B

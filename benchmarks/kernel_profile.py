@@ -210,7 +210,7 @@ def profile_loop(llm, batch: int, prompt_len: int, new_tokens: int, bubble_us: f
         r = timed_run(llm, prompts, params, guard=False)
         jax.profiler.stop_trace()
         _, _, events = device_events(tmp)
-    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:])]
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(events[:-1], events[1:], strict=True)]
     span = (events[-1][0] + events[-1][1] - events[0][0]) if events else 0
     bubbles = sorted(g / 1e3 for g in gaps if g > bubble_us * 1e3)
     row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_ms_median=r.decode_ms_median,
