@@ -75,12 +75,17 @@ def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str
 
 
 def one_step_timeline(events: list[tuple[int, int, str]], steps: int) -> list[dict]:
-    """The kernels of one step (the middle one of `steps` back-to-back steps with the same kernel count each), in
-    order, with the idle gap before each: where launch latency and tiny kernels sit, which sums per name hide."""
-    if not events or len(events) % steps:
+    """The kernels of one step (from `steps` back-to-back steps), in order, with the idle gap before each: where launch
+    latency and tiny kernels sit, which sums per name hide. Steps are cut at the occurrences of the earliest kernel
+    name that occurs exactly `steps` times (a trace also holds copies and other events, so the event count need not
+    split evenly); the middle cut is returned."""
+    counts = collections.Counter(name for _, _, name in events)
+    anchor = next((name for _, _, name in events if counts[name] == steps), None)
+    if anchor is None or steps < 2:
         return []
-    n = len(events) // steps
-    step = events[(steps // 2) * n:(steps // 2 + 1) * n]
+    cuts = [i for i, (_, _, name) in enumerate(events) if name == anchor]
+    k = len(cuts) // 2 - 1
+    step = events[cuts[k]:cuts[k + 1]]
     out, prev_end = [], step[0][0]
     for start, dur, name in step:
         out.append(dict(name=name, us=dur / 1e3, gap_us=max(0, start - prev_end) / 1e3))
@@ -180,7 +185,7 @@ def main() -> None:
             for e in timeline[:args.timeline]:
                 print(f"   +{e['gap_us']:5.1f} {e['us']:7.1f} us  {e['name'][:100]}")
         else:
-            print(f"  one step: kernel events ({len(events)}) do not split into {args.steps} equal steps")
+            print(f"  one step: no kernel name occurs once per step in {len(events)} events")
         kernels = list(row["kernels"]["all"])[:args.top]
         kernels += [e["name"] for e in timeline[:args.timeline] if e["name"] not in kernels]
         row["fusions"] = fusion_bodies(hlo, kernels)

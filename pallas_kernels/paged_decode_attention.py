@@ -111,8 +111,12 @@ def path_name(interpret: bool | None = None) -> str:
 # the kernel
 
 
-def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
-            window, scale, pv_dtype, precision):
+def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
+            window, scale, pv_dtype, precision, write):
+    if write:  # the current token's key/value [R, Hkv, hd] in, the pools (aliased to k_ref, v_ref) out last
+        kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
+    else:
+        out_refs = refs
     r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     ctx = len_ref[r]
@@ -133,6 +137,10 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs, G, Gp, h
     q = plgpu.load(q_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], mask=gmask[:, None] & dmask[None, :], other=0.0)
     q = q.astype(k_ref.dtype)
     tt = jnp.arange(BC, dtype=jnp.int32)
+    last = ctx - 1  # the current token's position: with `write`, its key/value come from kn/vn, not from the pool
+    if write:
+        k_cur = plgpu.load(kn_ref.at[r, h, pl.ds(0, HD)], mask=dmask, other=0.0)
+        v_cur = plgpu.load(vn_ref.at[r, h, pl.ds(0, HD)], mask=dmask, other=0.0)
     dims_qk = (((1,), (1,)), ((), ()))
     dims_pv = (((1,), (0,)), ((), ()))
 
@@ -146,6 +154,10 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs, G, Gp, h
         kvmask = valid[:, None] & dmask[None, :]
         k = plgpu.load(k_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)  # [BC, HD]
         v = plgpu.load(v_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+        if write:
+            cur = (t == last)[:, None]
+            k = jnp.where(cur, k_cur[None, :], k)
+            v = jnp.where(cur, v_cur[None, :], v)
         sc = jax.lax.dot_general(q, k, dims_qk, precision=precision, preferred_element_type=jnp.float32) * scale
         sc = jnp.where(valid[None, :], sc, NEG)  # [Gp, BC]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -158,6 +170,14 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs, G, Gp, h
 
     init = (jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, HD), jnp.float32))
     m, l, acc = jax.lax.fori_loop(start, end, body, init)
+
+    if write:  # the split whose blocks hold the current position stores its key/value into the pool (one writer)
+        b_cur = jax.lax.div(jnp.maximum(last, 0), BC)
+        mine = (last >= 0) & (b_cur >= start) & (b_cur < end)
+        page = bt_ref[r, jnp.minimum(jax.lax.div(jnp.maximum(last, 0), ps), P - 1)]
+        slot = page * ps + jax.lax.rem(jnp.maximum(last, 0), ps)
+        plgpu.store(k_out_ref.at[layer, slot, h, pl.ds(0, HD)], k_cur, mask=dmask & mine)
+        plgpu.store(v_out_ref.at[layer, slot, h, pl.ds(0, HD)], v_cur, mask=dmask & mine)
 
     if S == 1:
         [o_ref] = out_refs
@@ -225,16 +245,28 @@ def _layer_array(layer) -> jax.Array:
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
-                           sliding_window: int | None = None, config: PagedDecodeConfig | None = None,
-                           interpret: bool | None = None) -> jax.Array:
+                           sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
+                           config: PagedDecodeConfig | None = None, interpret: bool | None = None):
     """Decode attention of one query token per row over the paged KV cache.
 
     q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
     >= ctx_len[r] - sliding_window), at most max_pages * page_size of them (max_pages: a static bound, default the
     block table's width P). k_pool, v_pool [L, slots, Hkv, hd] with slot = page * page_size + offset; layer a Python
     int or a traced scalar; block_table [R, P] page ids; ctx_len [R] (0 = padding row -> zeros).
-    Returns [R, Hq, hd] in q.dtype. interpret: None = interpret mode unless the default backend is a GPU."""
+    Returns [R, Hq, hd] in q.dtype. interpret: None = interpret mode unless the default backend is a GPU.
+
+    new_kv = (k, v), each [R, Hkv, hd]: the key/value of each row's current token (position ctx_len - 1). The kernel
+    attends to them from registers and writes them into the pools itself (aliased in place), and returns
+    (out, (k_pool, v_pool)): a decode step then needs no KV-write kernels of its own (two scatters per layer, ~2.4 us
+    each at B=2 on the H100, RESULTS.md). Needs ctx_len <= max_pages * page_size (the engine's rows always are)."""
     check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
+    write = new_kv is not None
+    if write:
+        k_new, v_new = new_kv
+        want = (q.shape[0], *k_pool.shape[2:])
+        if k_new.shape != want or v_new.shape != want:
+            raise ValueError(f"new_kv must be two [R, Hkv, hd] = {want} arrays, got {k_new.shape} and {v_new.shape}")
+        k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
     R, Hq, hd = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
@@ -249,26 +281,34 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     kernel = functools.partial(
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
-        precision=jax.lax.Precision.HIGHEST if f32 else None)
+        precision=jax.lax.Precision.HIGHEST if f32 else None, write=write)
     if S == 1:
-        out_shape = jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)
+        out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
-        out_shape = (jax.ShapeDtypeStruct((R, Hkv, S, Gp, HD), jnp.float32),
+        out_shape = [jax.ShapeDtypeStruct((R, Hkv, S, Gp, HD), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
-                     jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32))
+                     jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32)]
+    args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), q, k_pool, v_pool]
+    aliases = {}
+    if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
+        args += [k_new, v_new]
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(
             kernel,
             grid=(R, Hkv, S),
-            out_shape=out_shape,
+            out_shape=tuple(out_shape),
+            input_output_aliases=aliases,
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}",
-        )(_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), q, k_pool, v_pool)
-    if S == 1:
-        return out
-    return _combine(*out, G, hd, q.dtype)
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}",
+        )(*args)
+    if write:
+        *out, k_pool, v_pool = out
+    result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)
+    return (result, (k_pool, v_pool)) if write else result
 
 
 def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,

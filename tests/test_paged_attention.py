@@ -72,6 +72,35 @@ def test_kernel_matches_reference(name):
     np.testing.assert_allclose(out, np.asarray(ref), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("name", ["g1_f32_s1", "g4_bf16_s3", "odd_h6kv2_hd24_page3", "g4_f32_window"])
+def test_kernel_writes_the_current_token_and_attends_to_it(name):
+    """new_kv: the kernel takes each row's current key/value from its inputs (not the pool) and stores them at the
+    row's position ctx_len - 1 in place; pools and output must equal a scatter followed by the reference."""
+    Hq, Hkv, hd, ps, P, dtype, cfg, window = CASES[name]
+    full = P * ps
+    lengths = [0, 1, ps, 2 * ps + 1, full, 5]
+    q, k, v, table, ctx = make_inputs(11 + len(name), R=len(lengths), Hq=Hq, Hkv=Hkv, hd=hd, page_size=ps, P=P,
+                                      dtype=dtype, lengths=lengths)
+    rng = np.random.default_rng(5)
+    k_new = jnp.asarray(rng.standard_normal((len(lengths), Hkv, hd)), dtype)
+    v_new = jnp.asarray(rng.standard_normal((len(lengths), Hkv, hd)), dtype)
+    layer = jnp.int32(2)
+    kernel = jax.jit(lambda q, k, v, layer, t, c, kn, vn: paged_decode_attention(
+        q, k, v, layer, t, c, page_size=ps, sliding_window=window, new_kv=(kn, vn), config=cfg, interpret=True))
+    out, (k_out, v_out) = kernel(q, k, v, layer, table, ctx, k_new, v_new)
+    k_want, v_want = np.array(k), np.array(v)
+    for r, n in enumerate(lengths):
+        if n:
+            slot = int(table[r, (n - 1) // ps]) * ps + (n - 1) % ps
+            k_want[2, slot], v_want[2, slot] = np.asarray(k_new[r]), np.asarray(v_new[r])
+    np.testing.assert_array_equal(np.asarray(k_out), k_want)
+    np.testing.assert_array_equal(np.asarray(v_out), v_want)
+    ref = paged_decode_attention_reference(q, jnp.asarray(k_want), jnp.asarray(v_want), layer, table, ctx,
+                                           page_size=ps, sliding_window=window)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=tol, rtol=tol)
+
+
 def test_max_pages_bounds_the_keys_looked_at():
     q, k, v, table, ctx = make_inputs(3, R=2, Hq=4, Hkv=2, hd=16, page_size=4, P=6, dtype=jnp.float32,
                                       lengths=[24, 9])
@@ -105,6 +134,10 @@ def test_kernel_lowers_to_triton(splits):
                                                    config=PagedDecodeConfig(splits=splits), interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+    new = jax.ShapeDtypeStruct((4, 8, 64), dt)
+    fn = jax.jit(lambda *a: paged_decode_attention(*a[:6], page_size=16, new_kv=a[6:],
+                                                   config=PagedDecodeConfig(splits=splits), interpret=False))
+    assert "triton" in fn.trace(*args, new, new).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_default_config():

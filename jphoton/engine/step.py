@@ -120,23 +120,26 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         attention = functools.partial(paged_attention, page_size=ps, pages_per_block=static.pages_per_block,
                                       sliding_window=static.sliding_window)
 
-    if static.pallas_decode:  # the kernel's loop follows each row's own length: decode rows need no context bucket
+    # Decode rows through the Pallas kernel: its loop follows each row's own length (no context bucket), and it writes
+    # the rows' new keys/values into the pool itself, so only prefill tokens go through a scatter here.
+    kernel_writes = static.pallas_decode and Bd > 0
+    if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
-
-        def decode_attention(q, k_pool, v_pool, layer):
-            return paged_decode_attention(q, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                                          sliding_window=static.sliding_window)
-    else:
-        def decode_attention(q, k_pool, v_pool, layer):
-            return attention(q[:, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0]
 
     def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
-        k_pool = k_pool.at[layer, slots].set(k.astype(k_pool.dtype))
-        v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
+        written = slice(Bd, None) if kernel_writes else slice(None)
+        if not kernel_writes or Bp:
+            k_pool = k_pool.at[layer, slots[written]].set(k[written].astype(k_pool.dtype))
+            v_pool = v_pool.at[layer, slots[written]].set(v[written].astype(v_pool.dtype))
         parts = []
-        if Bd:
-            parts.append(decode_attention(q[:Bd], k_pool, v_pool, layer))
+        if kernel_writes:
+            out, (k_pool, v_pool) = paged_decode_attention(
+                q[:Bd], k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
+                sliding_window=static.sliding_window, new_kv=(k[:Bd], v[:Bd]))
+            parts.append(out)
+        elif Bd:
+            parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])
         if Bp:
             qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
             out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])

@@ -101,14 +101,27 @@ class XlaMatmul:
 
     min_rows = 2
 
-    def __init__(self):
-        log.info("dense matmuls: XLA (one-token steps as two rows)")
+    def __init__(self, norm_scale_after: bool = False):
+        self.norm_scale_after = norm_scale_after
+        log.info("dense matmuls: XLA (one-token steps as two rows%s)",
+                 ", RMSNorm's row scale applied after the dot" if norm_scale_after else "")
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None,
                  prologue: Prologue | None = None) -> jax.Array:
         """prologue(x) [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here).
         An earlier version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than
-        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
+        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md).
+
+        norm_scale_after: RMSNorm(x) @ W = r * ((x * g) @ W) with r = rsqrt(mean(x^2) + eps) one scalar per row, so
+        the dot can read x * g (an elementwise producer XLA may fuse into the GEMM) and scale its fp32 output (an
+        epilogue), instead of waiting for a normalisation kernel of its own. Rounding differs from HF's order (x * r
+        rounded, then * g) by one bf16 rounding of the dot's input."""
+        if prologue is not None and self.norm_scale_after and prologue.norm is not None and not prologue.silu:
+            xf = x.astype(jnp.float32)
+            r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + prologue.eps)
+            if _rows(x) == 1:
+                return two_row_dot(prologue(x), w)
+            return (jnp.dot(x * prologue.norm, w, preferred_element_type=jnp.float32) * r).astype(x.dtype)
         return two_row_dot(prologue(x) if prologue else x, w)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
