@@ -117,7 +117,7 @@ def sweep_configs(smoke: bool) -> list[pda.PagedDecodeConfig]:
         return [pda.PagedDecodeConfig(block_tokens=16, splits=sp) for sp in (1, 2)]
     out = []
     for block in (32, 64, 128):
-        for splits in (1, 4, 16, 32, 64):
+        for splits in (1, 2, 4, 8, 16, 32, 64):
             for warps, stages in ((4, 2), (4, 3)):
                 out.append(pda.PagedDecodeConfig(block_tokens=block, splits=splits, num_warps=warps,
                                                   num_stages=stages))

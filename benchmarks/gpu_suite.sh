@@ -92,6 +92,10 @@ for section in "$@"; do
       # context, and B=1 at 512 (latency-bound: 11.4 us/layer on 2026-11-23, ~180 us of the 1B step)
       run attention-sweep python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 1 8 --ctx 512 8192 \
         --time-per-path 0.2 --out "$OUT/attention-sweep.json" ;;
+    attention-sweep-512)  # the kernel's configs at the engine's decode shapes of the vs-pytorch cases: B = 2 (one
+      # request) and 32 at 512 tokens of context (each per-layer call is ~5 / ~17 us: latency, not bandwidth)
+      run attention-sweep-512 python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 2 32 --ctx 512 \
+        --time-per-path 0.3 --out "$OUT/attention-sweep-512.json" ;;
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;
