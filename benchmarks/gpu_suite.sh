@@ -83,6 +83,9 @@ for section in "$@"; do
       # (device bubbles between steps)
       run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 2:0 32:0 \
         --loop 1 32 --out "$OUT/kernel-profile.json" ;;
+    kernel-profile-quick)  # the same at the engine's decode shapes B = 2 (one request) and 32 only, no loop runs
+      run kernel-profile-quick python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
+        --out "$OUT/kernel-profile-quick.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     attention)  # issue 8: Pallas paged decode attention vs the plain-JAX static gather vs the jnp reference, Llama-3.2-1B
@@ -108,6 +111,9 @@ for section in "$@"; do
     # rows x B group: torch.compile compiles once per B, jphoton compiles each step shape a case needs (~30-45 s a shape
     # for the 1B cold, more for the 8B), and each script stops starting cases after --time-budget s. `vs-pytorch-report`
     # joins the sections' JSON into one table and plot ($OUT/vs_pytorch_all.{json,png}).
+    vs-pytorch-1b-b1-b32)  # both headline cases (B=1 + context 512, and B=32) with HF static in one process
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
+        --batch 1 32 --time-budget 420 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b1)  # the headline case in one process: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 --time-budget 400 --out "$OUT" --tag "$section" ;;

@@ -112,8 +112,8 @@ def path_name(interpret: bool | None = None) -> str:
 
 
 def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
-            window, scale, pv_dtype, precision, write):
-    if write:  # the current token's key/value [R, Hkv, hd] in, the pools (aliased to k_ref, v_ref) out last
+            window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
+    if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
         kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
         out_refs = refs
@@ -139,8 +139,8 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
     tt = jnp.arange(BC, dtype=jnp.int32)
     last = ctx - 1  # the current token's position: with `write`, its key/value come from kn/vn, not from the pool
     if write:
-        k_cur = plgpu.load(kn_ref.at[r, h, pl.ds(0, HD)], mask=dmask, other=0.0)
-        v_cur = plgpu.load(vn_ref.at[r, h, pl.ds(0, HD)], mask=dmask, other=0.0)
+        k_cur = plgpu.load(kn_ref.at[r, k_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(k_ref.dtype)
+        v_cur = plgpu.load(vn_ref.at[r, v_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(v_ref.dtype)
     dims_qk = (((1,), (1,)), ((), ()))
     dims_pv = (((1,), (0,)), ((), ()))
 
@@ -258,17 +258,28 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     new_kv = (k, v), each [R, Hkv, hd]: the key/value of each row's current token (position ctx_len - 1). The kernel
     attends to them from registers and writes them into the pools itself (aliased in place), and returns
     (out, (k_pool, v_pool)): a decode step then needs no KV-write kernels of its own (two scatters per layer, ~2.4 us
-    each at B=2 on the H100, RESULTS.md). Needs ctx_len <= max_pages * page_size (the engine's rows always are)."""
+    each at B=2 on the H100, RESULTS.md). Needs ctx_len <= max_pages * page_size (the engine's rows always are).
+    new_kv = "packed": q is [R, Hq + 2 * Hkv, hd] = [query heads | key heads | value heads] of the current token, read
+    in place by head offset: the engine builds it in one XLA fusion with RoPE, where separate q, k, v operands would
+    each be materialised by a kernel of its own."""
+    packed = isinstance(new_kv, str)
+    if packed and new_kv != "packed":
+        raise ValueError(f"new_kv must be None, (k, v) or 'packed', got {new_kv!r}")
+    Hkv = k_pool.shape[2]
+    qkv = q
+    if packed:
+        if q.ndim != 3 or q.shape[1] <= 2 * Hkv:
+            raise ValueError(f"packed q must be [R, Hq + 2 * Hkv, hd] with Hkv = {Hkv}, got {q.shape}")
+        q = jax.ShapeDtypeStruct((q.shape[0], q.shape[1] - 2 * Hkv, q.shape[2]), q.dtype)  # shapes only, from here
     check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
     write = new_kv is not None
-    if write:
+    if write and not packed:
         k_new, v_new = new_kv
         want = (q.shape[0], *k_pool.shape[2:])
         if k_new.shape != want or v_new.shape != want:
             raise ValueError(f"new_kv must be two [R, Hkv, hd] = {want} arrays, got {k_new.shape} and {v_new.shape}")
         k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
     R, Hq, hd = q.shape
-    Hkv = k_pool.shape[2]
     G = Hq // Hkv
     P = block_table.shape[1]
     max_tokens = (max_pages or P) * page_size
@@ -281,19 +292,20 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     kernel = functools.partial(
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
-        precision=jax.lax.Precision.HIGHEST if f32 else None, write=write)
+        precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
+        v_off=Hq + Hkv if packed else 0)
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((R, Hkv, S, Gp, HD), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32)]
-    args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), q, k_pool, v_pool]
+    args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), qkv, k_pool, v_pool]
     aliases = {}
     if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
-        args += [k_new, v_new]
+        args += [qkv, qkv] if packed else [k_new, v_new]
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(

@@ -72,10 +72,12 @@ def test_kernel_matches_reference(name):
     np.testing.assert_allclose(out, np.asarray(ref), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", ["g1_f32_s1", "g4_bf16_s3", "odd_h6kv2_hd24_page3", "g4_f32_window"])
-def test_kernel_writes_the_current_token_and_attends_to_it(name):
+def test_kernel_writes_the_current_token_and_attends_to_it(name, packed):
     """new_kv: the kernel takes each row's current key/value from its inputs (not the pool) and stores them at the
-    row's position ctx_len - 1 in place; pools and output must equal a scatter followed by the reference."""
+    row's position ctx_len - 1 in place; pools and output must equal a scatter followed by the reference. packed: q,
+    k and v of the token in one [R, Hq + 2 Hkv, hd] array."""
     Hq, Hkv, hd, ps, P, dtype, cfg, window = CASES[name]
     full = P * ps
     lengths = [0, 1, ps, 2 * ps + 1, full, 5]
@@ -85,9 +87,15 @@ def test_kernel_writes_the_current_token_and_attends_to_it(name):
     k_new = jnp.asarray(rng.standard_normal((len(lengths), Hkv, hd)), dtype)
     v_new = jnp.asarray(rng.standard_normal((len(lengths), Hkv, hd)), dtype)
     layer = jnp.int32(2)
-    kernel = jax.jit(lambda q, k, v, layer, t, c, kn, vn: paged_decode_attention(
-        q, k, v, layer, t, c, page_size=ps, sliding_window=window, new_kv=(kn, vn), config=cfg, interpret=True))
+    if packed:
+        kernel = jax.jit(lambda q, k, v, layer, t, c, kn, vn: paged_decode_attention(
+            jnp.concatenate([q, kn, vn], axis=1), k, v, layer, t, c, page_size=ps, sliding_window=window,
+            new_kv="packed", config=cfg, interpret=True))
+    else:
+        kernel = jax.jit(lambda q, k, v, layer, t, c, kn, vn: paged_decode_attention(
+            q, k, v, layer, t, c, page_size=ps, sliding_window=window, new_kv=(kn, vn), config=cfg, interpret=True))
     out, (k_out, v_out) = kernel(q, k, v, layer, table, ctx, k_new, v_new)
+    assert out.shape == q.shape
     k_want, v_want = np.array(k), np.array(v)
     for r, n in enumerate(lengths):
         if n:

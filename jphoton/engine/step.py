@@ -134,9 +134,12 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             v_pool = v_pool.at[layer, slots[written]].set(v[written].astype(v_pool.dtype))
         parts = []
         if kernel_writes:
+            # q, k, v of the decode rows as one array the kernel reads by head offset: XLA builds it in one fusion
+            # with the model's RoPE, where three separate operands would each be copied out by a kernel of their own
+            qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
             out, (k_pool, v_pool) = paged_decode_attention(
-                q[:Bd], k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                sliding_window=static.sliding_window, new_kv=(k[:Bd], v[:Bd]))
+                qkv, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
+                sliding_window=static.sliding_window, new_kv="packed")
             parts.append(out)
         elif Bd:
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])
