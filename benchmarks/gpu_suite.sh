@@ -114,6 +114,9 @@ for section in "$@"; do
     vs-pytorch-1b-b1-b32)  # both headline cases (B=1 + context 512, and B=32) with HF static in one process
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 32 --time-budget 420 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-1b-b128)  # B=128, HF static and jphoton in one process (no agreement check: the b1 sections have it)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
+        --batch 128 --agree 0 --time-budget 300 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b1)  # the headline case in one process: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 --time-budget 400 --out "$OUT" --tag "$section" ;;
