@@ -28,6 +28,10 @@ straight from the pool, and its loop follows each row's own length:
             the compute roof). An elementwise multiply+reduce over a [G, block, hd] tensor would avoid the padding but
             holds G*block*hd fp32 values in registers per step. For bf16 inputs p is rounded to bf16 before the PV dot
             (as every flash kernel does); float32 inputs use precision HIGHEST (IEEE, not TF32).
+  write     with `new_kv`, each row's current key/value (position ctx_len - 1) comes from the inputs, not the pool:
+            the split whose blocks hold that position swaps it into its tile and stores it into the pools, which are
+            aliased outputs (updated in place). The engine's decode step then has no KV scatter kernels, and with
+            new_kv="packed" q, k and v arrive as one array read by head offset (one XLA fusion makes it with RoPE).
   padding   rows with ctx_len 0 (the engine's padding rows, whose block table points at the trash page) run no block
             and come out as zeros, not NaN (l = 0 is guarded).
 

@@ -6,7 +6,9 @@ Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
 turned Llama-3.2-1B's QKV and O projections at batch 1 into ~21 us each (~0.4 TB/s) instead of a GEMM; a two-row dot is
 not a vector and stays a GEMM (kernel profile in benchmarks/RESULTS.md). The zero row costs one extra row of a
-bandwidth-bound product, i.e. nothing measurable.
+bandwidth-bound product, i.e. nothing measurable. In serving the engine rounds its decode buckets up to `min_rows`
+(models/protocol.py `JaxModel.min_decode_rows`), so a lone request runs as a two-row step and no dot is padded: the
+pad and slice kernels around every matmul cost 1.330 vs 1.269 ms per 1B step on the H100 (RESULTS.md).
 
 A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the layer scan's slice fuses into the GEMM)
 and with the stacked weight [L, K, N] + layer index (what the kernel reads: a Pallas call fed a slice of the stack would
@@ -15,6 +17,9 @@ elementwise step that produces its input (`Prologue`: the RMSNorm before QKV and
 before down). XLA fuses those with its neighbours; the GEMV can run them in its own prologue (`fuse_prologues`), which
 was meant to save a kernel launch each at B=1 but measured slower (RESULTS.md, 2026-11-23 17:15: the norm prologue
 made the QKV GEMV 6.7 -> 10.9 us, the SwiGLU prologue made down 13 -> 28 us), so it is off by default.
+
+`XlaMatmul(norm_scale_after=True)` folds RMSNorm's row scale into the dot's output instead (measured: +0.7% / -1.3%
+per step at B = 2 / 32, so off).
 
 GPU default ("auto"): "xla". In the same H100 run, the engine's 1B decode step took 1.304 / 1.616 ms (B=1 / 32) with
 "xla" against 1.336 / 1.722 ms with "pallas" (RESULTS.md): the GEMV wins its matrices alone (QKV 1.85x) but the step
@@ -116,11 +121,10 @@ class XlaMatmul:
         the dot can read x * g (an elementwise producer XLA may fuse into the GEMM) and scale its fp32 output (an
         epilogue), instead of waiting for a normalisation kernel of its own. Rounding differs from HF's order (x * r
         rounded, then * g) by one bf16 rounding of the dot's input."""
-        if prologue is not None and self.norm_scale_after and prologue.norm is not None and not prologue.silu:
+        if (self.norm_scale_after and prologue is not None and prologue.norm is not None and not prologue.silu
+                and _rows(x) > 1):
             xf = x.astype(jnp.float32)
             r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + prologue.eps)
-            if _rows(x) == 1:
-                return two_row_dot(prologue(x), w)
             return (jnp.dot(x * prologue.norm, w, preferred_element_type=jnp.float32) * r).astype(x.dtype)
         return two_row_dot(prologue(x) if prologue else x, w)
 
