@@ -86,6 +86,7 @@ class RunStats:
     decode_ms_mean: float
     ttft_ms_median: float
     compiles_during_run: int
+    slowest_ticks: list = dataclasses.field(default_factory=list)  # (tick index, kind, ms) of the 5 longest ticks
 
     @property
     def tok_s(self) -> float:
@@ -132,7 +133,10 @@ def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunS
                     new_tokens=sum(len(s.output_ids) for s in seqs), decode_steps=len(decode),
                     decode_ms_median=1e3 * statistics.median(decode), decode_ms_mean=1e3 * statistics.fmean(decode),
                     ttft_ms_median=1e3 * statistics.median(first_token.values()),
-                    compiles_during_run=compiles.num_compiles() - c0)
+                    compiles_during_run=compiles.num_compiles() - c0,
+                    slowest_ticks=sorted(((i, k, round(1e3 * t, 3)) for i, (t, k) in enumerate(zip(ticks, kinds,
+                                                                                                  strict=True))),
+                                         key=lambda x: -x[2])[:5])
 
 
 class _null:

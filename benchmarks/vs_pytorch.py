@@ -234,7 +234,8 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     r = timed_run(llm, prompts, params)
     return dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
                 wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
-                compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention)
+                compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention,
+                slowest_ticks=r.slowest_ticks)
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
