@@ -291,7 +291,10 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     S, BC = cfg.splits, cfg.block_tokens
     Gp, HD = max(16, _pow2(G)), max(16, _pow2(hd))
     interp = _use_interpret(interpret)
-    _log_path(interp, f"R={R} splits={S}")
+    what = f"R={R} splits={S}"
+    if write:
+        what += ", current token's KV written in the kernel" + (" (packed q|k|v)" if packed else "")
+    _log_path(interp, what)
     f32 = k_pool.dtype == jnp.float32
     kernel = functools.partial(
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
