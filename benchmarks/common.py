@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -87,6 +89,8 @@ class RunStats:
     ttft_ms_median: float
     compiles_during_run: int
     slowest_ticks: list = dataclasses.field(default_factory=list)  # (tick index, kind, ms) of the 5 longest ticks
+    gc_ms: dict = dataclasses.field(default_factory=dict)  # generation -> ms the cyclic GC ran during the run
+    gc_ticks: list = dataclasses.field(default_factory=list)  # indices of the ticks a full (gen 2) collection hit
 
     @property
     def tok_s(self) -> float:
@@ -111,6 +115,17 @@ def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunS
     llm.engine.scheduler.plan = spy
     c0 = compiles.num_compiles()
     ticks, first_token = [], {}
+    gc_ms, gc_ticks, gc_t0 = collections.defaultdict(float), [], [0.0]
+
+    def on_gc(phase, info):  # the time each collection takes, and which tick a full one lands in
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+            return
+        gc_ms[info["generation"]] += 1e3 * (time.perf_counter() - gc_t0[0])
+        if info["generation"] == 2:
+            gc_ticks.append(len(ticks))
+
+    gc.callbacks.append(on_gc)
     t_start = time.perf_counter()
     ctx = jax.transfer_guard("disallow") if guard else _null()
     try:
@@ -124,6 +139,7 @@ def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunS
                         first_token[s.request_id] = time.perf_counter() - t_start
     finally:
         del llm.engine.scheduler.plan
+        gc.callbacks.remove(on_gc)
     wall = time.perf_counter() - t_start
     for s in seqs:
         llm._outputs.pop(s.request_id, None)
@@ -136,7 +152,8 @@ def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunS
                     compiles_during_run=compiles.num_compiles() - c0,
                     slowest_ticks=sorted(((i, k, round(1e3 * t, 3)) for i, (t, k) in enumerate(zip(ticks, kinds,
                                                                                                   strict=True))),
-                                         key=lambda x: -x[2])[:5])
+                                         key=lambda x: -x[2])[:5],
+                    gc_ms={g: round(ms, 3) for g, ms in sorted(gc_ms.items())}, gc_ticks=gc_ticks)
 
 
 class _null:

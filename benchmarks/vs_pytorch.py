@@ -235,7 +235,7 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     return dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
                 wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
                 compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention,
-                slowest_ticks=r.slowest_ticks)
+                slowest_ticks=r.slowest_ticks, gc_ms=r.gc_ms, gc_ticks=r.gc_ticks)
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
@@ -340,6 +340,8 @@ def merge(files: list[str], out: pathlib.Path, tag: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b")
+    ap.add_argument("--gc-ab", action="store_true",
+                    help="repeat the pipelined cases after gc.unfreeze() (LLM freezes its start-up objects)")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on CPU in float32 (checks the plumbing)")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 8 32 128 (smoke: 1 4)")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
@@ -513,6 +515,11 @@ def main() -> None:
             for row in jp_rows:
                 record(row, case, lambda c=case, row=row: jphoton_case(
                     llm, c[2], c[3], 1 if row == "jphoton-blocking" else 2))
+        if args.gc_ab:  # the same pipelined cases once more with the objects LLM() froze handed back to the GC
+            gc.unfreeze()
+            for label, b, ps, n in cases:
+                record("jphoton-pipelined", (f"{label} GC unfrozen", b, ps, n),
+                       lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
 
     # 3. Floors (the same bandwidth for every row), table, plot.
     for r in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import pathlib
@@ -51,6 +52,10 @@ class LLM:
     dispatch_thread: make the device calls on a dispatcher thread, in order, while this thread commits, plans and
     builds grammar masks (engine/dispatch.py). Off by default: on the H100 it shortened the 32-stream step period by
     10% and slowed 1 and 8 streams by up to 12% (RESULTS.md).
+    freeze_gc: once built, collect and `gc.freeze()` every object alive (the model, JAX's and the importer's modules):
+    the cyclic GC's full collections would otherwise scan them all from inside the engine loop. On the H100 host with
+    torch and transformers also loaded, one decode tick at B=128 took 726 ms while every other took ~2.4 ms; a full
+    collection here costs 80-180 ms with jax alone (RESULTS.md). vLLM freezes its start-up objects for the same reason.
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
     """
@@ -64,7 +69,7 @@ class LLM:
                  unroll_layers: bool | None = None, max_logprobs: int = 20,
                  cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
                  tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto",
-                 dispatch_thread: bool = False):
+                 dispatch_thread: bool = False, freeze_gc: bool = True):
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
@@ -139,6 +144,8 @@ class LLM:
                  "on a dispatcher thread" if dispatch_thread else "inline")
         if warmup:
             self.engine.runner.warmup(progress=progress)
+        if freeze_gc:
+            _freeze_gc()
         self._outputs: dict[int, collections.deque[Output]] = {}
 
     # ---- public -----------------------------------------------------------------------------------------------------
@@ -320,6 +327,12 @@ def _geometric_buckets(start: int, factor: int, last: int) -> tuple[int, ...]:
         out.append(b)
         b *= factor
     return (*out, last)
+
+
+def _freeze_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    log.info("garbage collector: %d objects frozen (full collections no longer scan them)", gc.get_freeze_count())
 
 
 def _pow2_buckets(n: int) -> tuple[int, ...]:
