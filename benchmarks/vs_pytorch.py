@@ -293,8 +293,9 @@ def plot(path: pathlib.Path, results: list[dict]) -> bool:
             pts = sorted((r["batch"], r["ms_step"], r["decode_tok_s"]) for r in ok if r["shape"] == shape and r["row"] == row)
             if pts:
                 b, ms, tps = zip(*pts, strict=True)
-                axes[0, j].plot(b, ms, "o-", label=row)
-                axes[1, j].plot(b, tps, "o-", label=row)
+                color = f"C{ROWS.index(row)}"  # one colour per row in every panel
+                axes[0, j].plot(b, ms, "o-", color=color, label=row)
+                axes[1, j].plot(b, tps, "o-", color=color, label=row)
         floor = sorted((r["batch"], r["floor_ms"]) for r in ok if r["shape"] == shape and r.get("floor_ms")
                        and r["row"].startswith("jphoton"))
         if floor:
