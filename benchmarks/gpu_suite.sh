@@ -99,6 +99,9 @@ for section in "$@"; do
       # request) and 32 at 512 tokens of context (each per-layer call is ~5 / ~17 us: latency, not bandwidth)
       run attention-sweep-512 python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 2 32 --ctx 512 \
         --time-per-path 0.3 --out "$OUT/attention-sweep-512.json" ;;
+    decode-matmul-glu)  # the engine's 2-row 1B step: XLA gate+up + SwiGLU kernel vs the GEMV with the SwiGLU epilogue
+      run decode-matmul-glu python3 benchmarks/decode_matmul.py --part e2e --batch 2 \
+        --variants xla-fused xla-glu-fused --out "$OUT/decode-matmul-glu.json" ;;
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;

@@ -110,7 +110,7 @@ def _load(ref, mask):
 
 
 def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
-                 mask_k, mask_n, norm, eps, silu, BS):
+                 mask_k, mask_n, norm, eps, silu, BS, glu=False):
     # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
     # mode keeps one [BN] accumulator per row (a tuple carry) instead of stacking rows into a non-power-of-two tile.
     g_ref, o_ref = rest if norm else (None, rest[0])
@@ -148,6 +148,15 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
     def body(i, acc):
         k0 = k_begin + i * BK
         kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
+        if glu:  # W [K, 2N] = [gate | up]: this program's gate columns and the matching up columns, two accumulators
+            tile_mask = kmask[:, None] & nmask[None, :] if masked else None
+            wg = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)], tile_mask)
+            wu = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(N + n0, BN)], tile_mask)
+            x = x_tile(k0, kmask).astype(wg.dtype)
+            dims = (((1,), (0,)), ((), ()))
+            dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, precision=jax.lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32)
+            return acc[0] + dot(x, wg), acc[1] + dot(x, wu)
         if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
             w = _load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)], nmask[:, None] & kmask[None, :] if masked else None)
         else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
@@ -168,6 +177,8 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
 
     if fma:
         acc = tuple(jnp.zeros((BN,), jnp.float32) for _ in range(M))
+    elif glu:
+        acc = (jnp.zeros((Mp, BN), jnp.float32), jnp.zeros((Mp, BN), jnp.float32))
     else:
         acc = jnp.zeros((Mp, BN), jnp.float32)
     if unroll:
@@ -179,6 +190,9 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
     def out_ref(*rows):
         return o_ref.at[(s, *rows, pl.ds(n0, BN))] if split > 1 else o_ref.at[(*rows, pl.ds(n0, BN))]
 
+    if glu:  # SwiGLU on the fp32 sums: silu(gate) * up, rounded once
+        gate, up = acc
+        acc = gate / (1.0 + jnp.exp(-gate)) * up
     if fma:
         for r in range(M):
             plgpu.store(out_ref(jnp.int32(r)), acc[r].astype(o_ref.dtype), mask=nmask)
@@ -187,7 +201,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
 
 
 def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,
-         norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False,
+         norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False, glu: bool = False,
          config: GemvConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N] with fp32 accumulation, M <= MAX_ROWS.
 
@@ -197,7 +211,11 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
 
     Prologues, so that the layer's elementwise step costs no kernel of its own: `norm_weight` ([K], or [L, K] read at
     `layer`) multiplies RMSNorm(x, eps) instead of x; `silu` takes x as [M, 2K] = [gate | up] and multiplies
-    silu(gate) * up. Both need the "dot" mode."""
+    silu(gate) * up. Both need the "dot" mode.
+
+    Epilogue: `glu` takes W as [K, 2N] = [gate | up] (a fused gate+up matrix) and returns silu(x @ gate) * (x @ up)
+    [M, N], from the fp32 sums: SwiGLU's activation costs no kernel and its [M, 2N] input never reaches HBM. No
+    split-K (the activation needs whole sums), "dot" mode, not transposed."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got {x.shape}")
     if silu and x.shape[1] % 2:
@@ -208,14 +226,18 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
         raise ValueError(f"w must be [K, N] or [L, K, N], got {w.shape}")
     elif layer is None:
         raise ValueError("a stacked [L, K, N] weight needs `layer`")
+    if glu and (transposed or silu or w.shape[2] % 2):
+        raise ValueError(f"glu needs a [K, 2N] weight, not transposed, without the silu prologue; got {w.shape}")
     M, K = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
-    N = w.shape[1] if transposed else w.shape[2]
+    N = w.shape[1] if transposed else w.shape[2] // 2 if glu else w.shape[2]
     Kw = w.shape[2] if transposed else w.shape[1]
     if Kw != K:
         raise ValueError(f"x {x.shape} does not fit w {w.shape} (transposed={transposed}, silu={silu})")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {M}")
     cfg = config or default_config(M, K, N)
+    if glu:
+        cfg = dataclasses.replace(cfg, split=1, mode="dot")
     fma = cfg.mode == "fma" and M <= 8
     norm = norm_weight is not None
     if (norm or silu) and fma:
@@ -231,12 +253,13 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
     chunks = pl.cdiv(total, split)
     split = pl.cdiv(total, chunks)  # no empty split
     interp = use_interpret(interpret)
-    _log_path(interp, M, K, N, cfg, "+".join(p for p, on in (("silu", silu), ("rmsnorm", norm)) if on))
+    _log_path(interp, M, K, N, cfg, "+".join(p for p, on in (("silu", silu), ("rmsnorm", norm)) if on)
+              + (" with a SwiGLU epilogue" if glu else ""))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     kernel = functools.partial(
         _gemv_kernel, M=M, Mp=Mp, K=K, N=N, BN=BN, BK=BK, chunks=chunks, split=split, transposed=transposed, fma=fma,
         unroll=cfg.unroll, mask_k=split * chunks * BK != K, mask_n=N % BN != 0, norm=norm, eps=float(eps), silu=silu,
-        BS=max(BK, min(512, _pow2(K))))
+        BS=max(BK, min(512, _pow2(K))), glu=glu)
     if norm and norm_weight.ndim == 1:  # one weight for every layer of the stack
         norm_weight = jnp.broadcast_to(norm_weight, (w.shape[0], K)) if w.shape[0] == 1 else None
         if norm_weight is None:
@@ -252,7 +275,8 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
             out_shape=jax.ShapeDtypeStruct(out_shape, part_dtype),
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"gemv_{'fma' if fma else 'dot'}{'_norm' if norm else ''}{'_silu' if silu else ''}_M{M}_BN{BN}_BK{BK}"
+            name=f"gemv_{'fma' if fma else 'dot'}{'_norm' if norm else ''}{'_silu' if silu else ''}"
+                 f"{'_glu' if glu else ''}_M{M}_BN{BN}_BK{BK}"
                  f"_S{split}{'_T' if transposed else ''}",
         )(layer_arr, x, w, *([norm_weight] if norm else []))
     if split > 1:
@@ -261,8 +285,9 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
 
 
 def gemv_reference(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,
-                   norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False) -> jax.Array:
-    """Plain jnp: the same product (and prologue) through XLA with fp32 accumulation."""
+                   norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False,
+                   glu: bool = False) -> jax.Array:
+    """Plain jnp: the same product (and prologue, and SwiGLU epilogue) through XLA with fp32 accumulation."""
     if w.ndim == 3:
         w = w[layer]
     if transposed:
@@ -276,4 +301,7 @@ def gemv_reference(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool =
         xf = x.astype(jnp.float32)
         x = g * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     out = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    if glu:
+        gate, up = jnp.split(out, 2, axis=-1)
+        out = gate * jax.nn.sigmoid(gate) * up
     return out.astype(out_dtype or x.dtype)

@@ -201,7 +201,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
-        if "w_gate_up" in lp:
+        if "w_gate_up" in lp and matmul is not None:  # the hook may fuse SwiGLU into the gate+up matmul
+            prologue = Prologue(lp["mlp_norm"], stacked["mlp_norm"], cfg.rms_norm_eps)
+            x = x + proj(matmul.glu(x, lp["w_gate_up"], stacked["w_gate_up"], index, prologue=prologue), "w_down")
+        elif "w_gate_up" in lp:
             x = x + proj(proj(x, "w_gate_up", norm="mlp_norm"), "w_down", silu=True)
         elif matmul is None:
             x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])

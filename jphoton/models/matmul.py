@@ -89,6 +89,11 @@ def xla_head(hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     return jnp.dot(hidden, w.T if transposed else w, preferred_element_type=jnp.float32)
 
 
+def swiglu_of(gate_up: jax.Array) -> jax.Array:
+    """silu(gate) * up of a [..., 2F] = [gate | up] product."""
+    return silu_mul(*jnp.split(gate_up, 2, axis=-1))
+
+
 def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N]; a single row goes through the dot as two (a zero row added and dropped). The barrier keeps
     XLA from sinking the slice into the dot, which would make it a vector dot again."""
@@ -106,10 +111,26 @@ class XlaMatmul:
 
     min_rows = 2
 
-    def __init__(self, norm_scale_after: bool = False):
+    def __init__(self, norm_scale_after: bool = False, glu_gemv: bool = False, interpret: bool | None = None):
         self.norm_scale_after = norm_scale_after
-        log.info("dense matmuls: XLA (one-token steps as two rows%s)",
-                 ", RMSNorm's row scale applied after the dot" if norm_scale_after else "")
+        self.glu_gemv = glu_gemv
+        self.interpret = interpret
+        log.info("dense matmuls: XLA (one-token steps as two rows%s%s)",
+                 ", RMSNorm's row scale applied after the dot" if norm_scale_after else "",
+                 ", gate+up with SwiGLU through the Pallas GEMV's epilogue for decode-sized steps" if glu_gemv else "")
+
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, prologue: Prologue | None = None
+            ) -> jax.Array:
+        """silu(gate) * up of prologue(x) @ w, w = [gate | up] [K, 2F]. With glu_gemv, steps of at most
+        PALLAS_MAX_ROWS tokens run one Pallas GEMV that applies the activation to its fp32 sums (no SwiGLU kernel,
+        no [.., 2F] intermediate in HBM); the prologue stays in XLA."""
+        if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
+            from pallas_kernels.gemv import gemv
+
+            x = prologue(x) if prologue else x
+            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, glu=True, interpret=self.interpret)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return swiglu_of(self(x, w, prologue=prologue))
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None,
                  prologue: Prologue | None = None) -> jax.Array:
@@ -169,6 +190,11 @@ class PallasMatmul:
         out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, norm_weight=p.norm_stack, eps=p.eps, silu=p.silu,
                    interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, prologue: Prologue | None = None
+            ) -> jax.Array:
+        """silu(gate) * up of prologue(x) @ w, w = [gate | up] [K, 2F]."""
+        return swiglu_of(self(x, w, stacked, layer, prologue=prologue))
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
