@@ -19,7 +19,9 @@ was meant to save a kernel launch each at B=1 but measured slower (RESULTS.md, 2
 made the QKV GEMV 6.7 -> 10.9 us, the SwiGLU prologue made down 13 -> 28 us), so it is off by default.
 
 `XlaMatmul(norm_scale_after=True)` folds RMSNorm's row scale into the dot's output instead (measured: +0.7% / -1.3%
-per step at B = 2 / 32, so off).
+per step at B = 2 / 32, so off). `XlaMatmul(glu_gemv=True)` runs gate+up through the Pallas GEMV with SwiGLU in its
+epilogue (no activation kernel, no [.., 2F] intermediate): tested, not yet measured on a GPU (`gpu_suite.sh
+decode-matmul-glu`), so off.
 
 GPU default ("auto"): "xla". In the same H100 run, the engine's 1B decode step took 1.304 / 1.616 ms (B=1 / 32) with
 "xla" against 1.336 / 1.722 ms with "pallas" (RESULTS.md): the GEMV wins its matrices alone (QKV 1.85x) but the step
