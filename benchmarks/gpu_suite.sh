@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
 OUT=${OUT:-/tmp/jphoton-bench}
 mkdir -p "$OUT"
-if [ -d .whl ]; then  # wheels the device image lacks (see benchmarks/README.md)
+if [ -d .whl ]; then  # wheels the device image lacks (README.md, Benchmarks)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
