@@ -79,10 +79,9 @@ for section in "$@"; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run probe-dispatch-nographs \
         python3 benchmarks/probes/dispatch_cost.py --out "$OUT" --tag no-command-buffers ;;
     kernel-profile)  # issue 8: device time per XLA op / kernel of the 1B decode step (B=1, 2, 32; 512 tokens of
-      # context; one step's kernels in order), then the engine's pipelined loop at B=1 and 32 under the profiler
-      # (device bubbles between steps)
+      # context; one step's kernels in order)
       run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 2:0 32:0 \
-        --loop 1 32 --out "$OUT/kernel-profile.json" ;;
+        --out "$OUT/kernel-profile.json" ;;
     kernel-profile-quick)  # the same at the engine's decode shapes B = 2 (one request) and 32 only, no loop runs
       run kernel-profile-quick python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --out "$OUT/kernel-profile-quick.json" ;;

@@ -21,7 +21,6 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
@@ -119,21 +118,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="tokens of context per decode row (pure decode shapes)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", type=int, default=60, help="kernels of one step printed in order")
-    ap.add_argument("--loop", type=int, nargs="*", default=[],
-                    help="also profile the engine's pipelined loop at these batch sizes (decode buckets)")
-    ap.add_argument("--loop-prompt", type=int, default=64, help="prompt tokens per request in --loop runs")
-    ap.add_argument("--loop-new", type=int, default=128, help="new tokens per request in --loop runs")
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.smoke:
         args.model, args.shapes, args.steps, args.ctx = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3, 64
-        args.loop, args.loop_prompt, args.loop_new = [2], 16, 8
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
-    decode = tuple(sorted({d for d, _ in shapes if d} | set(args.loop)))
-    prefill = tuple(sorted({(1, t) for _, t in shapes if t} | {(1, args.loop_prompt) for _ in args.loop[:1]}))
-    prefill = prefill or ((1, 16),)
+    decode = tuple(sorted({d for d, _ in shapes if d}))
+    prefill = tuple(sorted({(1, t) for _, t in shapes if t})) or ((1, 16),)
     extra = {}
     for kv in filter(None, args.llm_args.split(",")):
         k, v = kv.split("=", 1)
@@ -192,40 +185,8 @@ def main() -> None:
         for name in kernels[:6]:
             print(f"\n  -- {name}:\n" + row["fusions"].get(name, "(not found in the compiled HLO)"), flush=True)
         rows.append(row)
-    loops = [profile_loop(llm, b, args.loop_prompt, args.loop_new) for b in args.loop]
     if args.out:
-        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows,
-                              "loops": loops})
-
-
-def profile_loop(llm, batch: int, prompt_len: int, new_tokens: int, bubble_us: float = 20.0) -> dict:
-    """The engine's own pipelined loop (B requests at once, greedy, ignore_eos) under the profiler: per decode tick on
-    the host, and on the device how much of the run's span the GPU sat idle in gaps longer than `bubble_us` (a step's
-    own kernels follow each other within a few us; a longer gap is the GPU waiting for the host)."""
-    from benchmarks.common import timed_run
-    from jphoton import SamplingParams
-
-    rng = np.random.default_rng(batch)
-    prompts = [rng.integers(0, llm.config.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.engine.depth = 2
-    timed_run(llm, prompts, params, guard=False)  # compiles the shapes the run steps through
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        r = timed_run(llm, prompts, params, guard=False)
-        jax.profiler.stop_trace()
-        _, _, events = device_events(tmp)
-    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(events[:-1], events[1:], strict=True)]
-    span = (events[-1][0] + events[-1][1] - events[0][0]) if events else 0
-    bubbles = sorted(g / 1e3 for g in gaps if g > bubble_us * 1e3)
-    row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_ms_median=r.decode_ms_median,
-               decode_steps=r.decode_steps, kernels=len(events), span_ms=span / 1e6,
-               busy_ms=sum(e[1] for e in events) / 1e6, bubbles=len(bubbles), bubble_ms=sum(bubbles) / 1e3,
-               bubble_us_median=bubbles[len(bubbles) // 2] if bubbles else 0.0)
-    print(f"\n== engine loop, B={batch}: {r.decode_ms_median:.3f} ms per decode tick (median of {r.decode_steps}); "
-          f"device: {row['busy_ms']:.1f} ms busy in a {row['span_ms']:.1f} ms span, {len(bubbles)} gaps > {bubble_us} "
-          f"us totalling {row['bubble_ms']:.2f} ms (median {row['bubble_us_median']:.1f} us)", flush=True)
-    return row
+        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows})
 
 
 if __name__ == "__main__":
