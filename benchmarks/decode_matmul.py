@@ -224,10 +224,6 @@ def run_e2e(args) -> list[dict]:
             from jphoton.models.matmul import PallasMatmul
 
             matmul = PallasMatmul(any_weight_max_rows=1, fuse_prologues=True)
-        elif matmul == "xla-rowscale":  # XLA dots reading x * g, RMSNorm's row scale applied to the dot's output
-            from jphoton.models.matmul import XlaMatmul
-
-            matmul = XlaMatmul(norm_scale_after=True)
         elif matmul == "xla-glu":  # XLA dots, gate+up with SwiGLU through the Pallas GEMV's epilogue
             from jphoton.models.matmul import XlaMatmul
 
@@ -278,8 +274,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "pallas-fused", "pallas-prologue-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py), pallas-prologue "
-                         "(every matrix through the GEMV at one token, norm / SwiGLU in the kernel), xla-rowscale "
-                         "(XlaMatmul(norm_scale_after=True)) or xla-glu (XlaMatmul(glu_gemv=True)), LAYOUT "
+                         "(every matrix through the GEMV at one token, norm / SwiGLU in the kernel) or xla-glu "
+                         "(XlaMatmul(glu_gemv=True)), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
@@ -294,7 +290,7 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-rowscale", "xla-glu", "pallas", "pallas-prologue")
+        matmuls = ("xla", "xla-plain", "xla-glu", "pallas", "pallas-prologue")
         if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

@@ -104,10 +104,10 @@ for section in "$@"; do
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;
-    decode-matmul-e2e)  # the engine's 1B decode step at B = 2 (the engine's one-row bucket), 32, fused params: matmul
-      # xla vs xla with RMSNorm's row scale after the dot, in one run (pallas and pallas-prologue lost on 2026-11-23)
+    decode-matmul-e2e)  # the engine's 1B decode step at B = 2 (the engine's one-row bucket), 32, fused params: the
+      # default matmul xla vs pallas (GEMV for QKV and O), in one run
       run decode-matmul-e2e python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \
-        --variants xla-fused xla-rowscale-fused --out "$OUT/decode-matmul-e2e.json" ;;
+        --variants xla-fused pallas-fused --out "$OUT/decode-matmul-e2e.json" ;;
     # issue 8 item 3: jphoton vs HF transformers on the same random bf16 weights, same prompts, same GPU, one process
     # (benchmarks/vs_pytorch.py: weights built in torch, handed to jphoton's HF loader in memory). One section per shape x
     # rows x B group: torch.compile compiles once per B, jphoton compiles each step shape a case needs (~30-45 s a shape

@@ -52,7 +52,7 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
     fused = jax.tree_util.tree_map(jnp.asarray, fused)
     # max_weight_elements=3000 sends O (48x48) through the GEMV and the larger matrices through XLA
     for matmul in (None, PallasMatmul(interpret=True), PallasMatmul(interpret=True, max_weight_elements=3000),
-                   XlaMatmul(norm_scale_after=True), XlaMatmul(glu_gemv=True, interpret=True)):
+                   XlaMatmul(glu_gemv=True, interpret=True)):
         for p in (params, fused):
             h, logits = _hidden(p, cfg, tokens, matmul, unroll=matmul is not None)
             np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)

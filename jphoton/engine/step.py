@@ -128,10 +128,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
 
     def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
-        scattered = slice(Bd, None) if kernel_writes else slice(None)  # the tokens whose KV a scatter writes
-        if k[scattered].shape[0]:
-            k_pool = k_pool.at[layer, slots[scattered]].set(k[scattered].astype(k_pool.dtype))
-            v_pool = v_pool.at[layer, slots[scattered]].set(v[scattered].astype(v_pool.dtype))
+        first = Bd if kernel_writes else 0  # tokens from here on have their KV written by a scatter
+        if shape.tokens > first:
+            k_pool = k_pool.at[layer, slots[first:]].set(k[first:].astype(k_pool.dtype))
+            v_pool = v_pool.at[layer, slots[first:]].set(v[first:].astype(v_pool.dtype))
         parts = []
         if kernel_writes:
             # q, k, v of the decode rows as one array the kernel reads by head offset: XLA builds it in one fusion

@@ -18,10 +18,10 @@ before down). XLA fuses those with its neighbours; the GEMV can run them in its 
 was meant to save a kernel launch each at B=1 but measured slower (RESULTS.md, 2026-11-23 17:15: the norm prologue
 made the QKV GEMV 6.7 -> 10.9 us, the SwiGLU prologue made down 13 -> 28 us), so it is off by default.
 
-`XlaMatmul(norm_scale_after=True)` folds RMSNorm's row scale into the dot's output instead (measured: +0.7% / -1.3%
-per step at B = 2 / 32, so off). `XlaMatmul(glu_gemv=True)` runs gate+up through the Pallas GEMV with SwiGLU in its
-epilogue (no activation kernel, no [.., 2F] intermediate): tested, not yet measured on a GPU (`gpu_suite.sh
-decode-matmul-glu`), so off.
+Applying RMSNorm's row scale to the dot's output instead (the GEMM reading x * g) was measured at +0.7% / -1.3% per
+step at B = 2 / 32 and removed (RESULTS.md, 2026-11-23 18:56). `XlaMatmul(glu_gemv=True)` runs gate+up through the
+Pallas GEMV with SwiGLU in its epilogue (no activation kernel, no [.., 2F] intermediate): tested, not yet measured on
+a GPU (`gpu_suite.sh decode-matmul-glu`), so off.
 
 GPU default ("auto"): "xla". In the same H100 run, the engine's 1B decode step took 1.304 / 1.616 ms (B=1 / 32) with
 "xla" against 1.336 / 1.722 ms with "pallas" (RESULTS.md): the GEMV wins its matrices alone (QKV 1.85x) but the step
@@ -113,12 +113,10 @@ class XlaMatmul:
 
     min_rows = 2
 
-    def __init__(self, norm_scale_after: bool = False, glu_gemv: bool = False, interpret: bool | None = None):
-        self.norm_scale_after = norm_scale_after
+    def __init__(self, glu_gemv: bool = False, interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.interpret = interpret
-        log.info("dense matmuls: XLA (one-token steps as two rows%s%s)",
-                 ", RMSNorm's row scale applied after the dot" if norm_scale_after else "",
+        log.info("dense matmuls: XLA (one-token steps as two rows%s)",
                  ", gate+up with SwiGLU through the Pallas GEMV's epilogue for decode-sized steps" if glu_gemv else "")
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, prologue: Prologue | None = None
@@ -138,17 +136,7 @@ class XlaMatmul:
                  prologue: Prologue | None = None) -> jax.Array:
         """prologue(x) [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here).
         An earlier version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than
-        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md).
-
-        norm_scale_after: RMSNorm(x) @ W = r * ((x * g) @ W) with r = rsqrt(mean(x^2) + eps) one scalar per row, so
-        the dot can read x * g (an elementwise producer XLA may fuse into the GEMM) and scale its fp32 output (an
-        epilogue), instead of waiting for a normalisation kernel of its own. Rounding differs from HF's order (x * r
-        rounded, then * g) by one bf16 rounding of the dot's input."""
-        if (self.norm_scale_after and prologue is not None and prologue.norm is not None and not prologue.silu
-                and _rows(x) > 1):
-            xf = x.astype(jnp.float32)
-            r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + prologue.eps)
-            return (jnp.dot(x * prologue.norm, w, preferred_element_type=jnp.float32) * r).astype(x.dtype)
+        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
         return two_row_dot(prologue(x) if prologue else x, w)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
