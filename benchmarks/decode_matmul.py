@@ -18,12 +18,12 @@ layers' worth, so the weights come from HBM, not L2; the LM head once per jit); 
 repeated jit calls. TB/s = weight bytes / time, beside the read bandwidth of a `jnp.sum` over a big bf16 array measured
 in the same run. err = max|out - ref| / max|ref| against `jnp.dot(..., preferred_element_type=f32)` (layer 0).
 
-e2e: random:llama3.2-1b in the engine (unrolled layers, the default attention), variants matmul xla|pallas x params
+e2e: random:llama3.2-1b in the engine (unrolled layers, the default attention), variants matmul kind x params
 unfused|fused (--variants), `benchmarks.pipeline.device_step_ms` (the real step, back to back, no host work between) at
 B = --batch. Only the decode-only shapes are compiled (unrolled 1B: ~30-45 s per shape on a cold cache).
 
-After the run: put the sweep's winners into pallas_kernels/gemv.py `default_config`, and if pallas wins the e2e step,
-set jphoton/models/matmul.py GPU_DEFAULT = "pallas".
+After the run: put the sweep's winners into pallas_kernels/gemv.py `default_config`, and set
+jphoton/models/matmul.py GPU_DEFAULT to the kind that wins the e2e step.
 """
 
 from __future__ import annotations
@@ -220,14 +220,11 @@ def run_e2e(args) -> list[dict]:
     rows = []
     for variant in args.variants:
         matmul, layout = variant.rsplit("-", 1)
-        if matmul == "pallas-prologue":  # every matrix through the GEMV at one token, norm / SwiGLU in the kernel
-            from jphoton.models.matmul import PallasMatmul
-
-            matmul = PallasMatmul(any_weight_max_rows=1, fuse_prologues=True)
-        elif matmul == "xla-glu":  # XLA dots, gate+up with SwiGLU through the Pallas GEMV's epilogue
+        if matmul in ("xla-glu", "xla-residual", "fused-qkv"):  # "fused" in parts, and "fused" + the QKV GEMV
             from jphoton.models.matmul import XlaMatmul
 
-            matmul = XlaMatmul(glu_gemv=True)
+            matmul = XlaMatmul(glu_gemv=matmul in ("xla-glu", "fused-qkv"),
+                               residual_gemv=matmul in ("xla-residual", "fused-qkv"), small_gemv=matmul == "fused-qkv")
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -272,10 +269,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
-    ap.add_argument("--variants", nargs="+", default=["xla-fused", "pallas-fused", "pallas-prologue-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL xla|xla-plain|pallas (models/matmul.py), pallas-prologue "
-                         "(every matrix through the GEMV at one token, norm / SwiGLU in the kernel) or xla-glu "
-                         "(XlaMatmul(glu_gemv=True)), LAYOUT "
+    ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
+                    help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
+                         "xla-glu (XlaMatmul(glu_gemv=True)), xla-residual (XlaMatmul(residual_gemv=True)) or "
+                         "fused-qkv (\"fused\" + QKV through the GEMV), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
@@ -290,7 +287,7 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-glu", "pallas", "pallas-prologue")
+        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "fused-qkv")
         if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

@@ -85,6 +85,9 @@ for section in "$@"; do
     kernel-profile-quick)  # the same at the engine's decode shapes B = 2 (one request) and 32 only, no loop runs
       run kernel-profile-quick python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --out "$OUT/kernel-profile-quick.json" ;;
+    kernel-profile-fused)  # kernel-profile-quick with matmul "fused" (models/matmul.py)
+      run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
+        --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
     profile)  # where a decode step's time goes (host phases vs device)
       run profile python3 benchmarks/step_profile.py --model random:llama3.2-1b --batch 1 32 128 ;;
     attention)  # issue 8: Pallas paged decode attention vs the plain-JAX static gather vs the jnp reference, Llama-3.2-1B
@@ -98,9 +101,11 @@ for section in "$@"; do
       # request) and 32 at 512 tokens of context (each per-layer call is ~5 / ~17 us: latency, not bandwidth)
       run attention-sweep-512 python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 2 32 --ctx 512 \
         --time-per-path 0.3 --out "$OUT/attention-sweep-512.json" ;;
-    decode-matmul-glu)  # the engine's 2-row 1B step: XLA gate+up + SwiGLU kernel vs the GEMV with the SwiGLU epilogue
-      run decode-matmul-glu python3 benchmarks/decode_matmul.py --part e2e --batch 2 \
-        --variants xla-fused xla-glu-fused --out "$OUT/decode-matmul-glu.json" ;;
+    decode-matmul-fused)  # the engine's 1B step at B = 2 and 32: "xla" vs its GEMV epilogues one at a time (gate+up
+      # with SwiGLU; O and down into the add + RMSNorm kernel), both ("fused"), and both + QKV through the GEMV
+      run decode-matmul-fused python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \
+        --variants xla-fused xla-glu-fused xla-residual-fused fused-fused fused-qkv-fused \
+        --out "$OUT/decode-matmul-fused.json" ;;
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;
@@ -116,6 +121,10 @@ for section in "$@"; do
     vs-pytorch-1b-b1-b32)  # both headline cases (B=1 + context 512, and B=32) with HF static in one process
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 32 --time-budget 420 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-1b-ab)  # the headline cases (B=1, context 512, B=32): HF static, jphoton pipelined with matmul "xla" and
+      # again with "fused" (same weights, same process)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
+        --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b128)  # B=128, HF static and jphoton in one process (no agreement check: the b1 sections have it)
       # (--gc-ab: the pipelined case again with the GC's start-up objects unfrozen, the 726 ms tick's suspect)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \

@@ -134,7 +134,7 @@ def check_against_preset(shape: str, cfg) -> list[str]:
 
 
 # ---- jphoton rows ---------------------------------------------------------------------------------------------------
-def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, args):
+def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, args, matmul: str | None = None):
     import jax
 
     from jphoton import LLM
@@ -142,7 +142,7 @@ def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, arg
 
     accelerator = jax.default_backend() != "cpu"
     model = llama_family(cfg, params, None, f"vs_pytorch:{cfg.name}", unroll_layers=accelerator,
-                         matmul=args.matmul, fuse=True)  # what LLM(model=DIR) builds from a loaded checkpoint
+                         matmul=matmul or args.matmul, fuse=True)  # what LLM(model=DIR) builds from a loaded checkpoint
     max_b = max(batches)
     rows = min(8, max_b)
     prefill = tuple(sorted({(1, prompt_len), (rows, prompt_len)}))
@@ -357,6 +357,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attention", default="auto", help="jphoton attention (default: the engine's own choice)")
     ap.add_argument("--matmul", default="auto")
+    ap.add_argument("--ab-matmul", nargs="+", default=[], metavar="KIND",
+                    help="repeat the pipelined cases with these matmul kinds (models/matmul.py), same weights and run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: bfloat16 on GPU, float32 on CPU")
@@ -504,14 +506,19 @@ def main() -> None:
         del params
         payload["handoff"]["llm_build_s"] = time.perf_counter() - t
         payload["attention"] = llm.attention
-        if ref is not None and not over_budget():
+
+        def check_agreement(llm, key: str) -> None:
+            if ref is None or over_budget():
+                return
             try:
-                payload["agreement"] = agreement(ref, llm, agree_prompts)
+                payload[key] = agreement(ref, llm, agree_prompts)
             except Exception as e:
-                log.exception("agreement check failed")
-                payload["agreement"] = {"error": f"{type(e).__name__}: {e}"}
-            log.info("agreement: %s", payload["agreement"])
+                log.exception("%s check failed", key)
+                payload[key] = {"error": f"{type(e).__name__}: {e}"}
+            log.info("%s: %s", key, payload[key])
             write(out, tag, payload)
+
+        check_agreement(llm, "agreement")
         for case in cases:
             for row in jp_rows:
                 record(row, case, lambda c=case, row=row: jphoton_case(
@@ -521,6 +528,16 @@ def main() -> None:
             for label, b, ps, n in cases:
                 record("jphoton-pipelined", (f"{label} GC unfrozen", b, ps, n),
                        lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
+        for kind in args.ab_matmul:  # the same weights (already in the serving layout) under another matmul hook
+            fused_params = llm.model.params
+            del llm
+            gc.collect()
+            llm = make_llm(cfg, fused_params, batches, P, max_len, args, matmul=kind)
+            del fused_params
+            check_agreement(llm, f"agreement matmul={kind}")
+            for label, b, ps, n in cases:
+                record("jphoton-pipelined", (f"{label} matmul={kind}", b, ps, n),
+                       lambda ps=ps, n=n, llm=llm: jphoton_case(llm, ps, n, 2))
 
     # 3. Floors (the same bandwidth for every row), table, plot.
     for r in results:
@@ -529,8 +546,8 @@ def main() -> None:
     path = write(out, tag, payload)
     print(f"\n{shape}: weights {weight_bytes / 1e9:.2f} GB, read bandwidth {bw / 1e12:.2f} TB/s, "
           f"jphoton attention {payload.get('attention')}, weight hand-off {payload['handoff']}")
-    if "agreement" in payload:
-        print(f"agreement: {payload['agreement']}")
+    for key in (k for k in payload if k.startswith("agreement")):
+        print(f"{key}: {payload[key]}")
     print(table(results))
     png = out / f"vs_pytorch_{tag}.png"
     print(f"wrote {path}{f' and {png}' if plot(png, results) else ''} in {payload['total_s']:.0f}s")

@@ -109,11 +109,12 @@ def _load(ref, mask):
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
 
-def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
-                 mask_k, mask_n, norm, eps, silu, BS, glu=False):
+def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
+                 mask_k, mask_n, glu, split_out):
     # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
     # mode keeps one [BN] accumulator per row (a tuple carry) instead of stacking rows into a non-power-of-two tile.
-    g_ref, o_ref = rest if norm else (None, rest[0])
+    # Nothing but loads feeds the dot inside the K loop: elementwise work on the activation tile there (RMSNorm or
+    # SwiGLU prologues, measured in an earlier version) made the kernel 1.6-2.1x slower on the H100 (RESULTS.md).
     j, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = j * BN
@@ -123,27 +124,8 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
     rows = jnp.arange(Mp, dtype=jnp.int32) < M
 
     def x_tile(k0, kmask):
-        """[Mp, BK] of the matmul's input at k0 (rows past M are zeros), after the prologue, in x's dtype."""
-        x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
-        if silu:  # x holds [gate | up]; the input is silu(gate) * up, in fp32, rounded once (as layers.silu_mul)
-            up = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(K + k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
-            g = x.astype(jnp.float32)
-            x = (g / (1.0 + jnp.exp(-g)) * up.astype(jnp.float32)).astype(x.dtype)
-        if norm:  # RMSNorm: the fp32 row statistic, rounded to x's dtype, then times the weight (as layers.rms_norm)
-            gw = plgpu.load(g_ref.at[layer, pl.ds(k0, BK)], mask=kmask, other=0.0)
-            x = (x.astype(jnp.float32) * inv_rms[:, None]).astype(x.dtype) * gw[None, :]
-        return x
-
-    if norm:  # every program takes its rows' mean square over all of K (the rows are tiny and sit in L2)
-        def square_sum(i, acc):  # in chunks of BS >= BK: few round trips before the weights start streaming
-            k0 = i * BS
-            kmask = k0 + jnp.arange(BS, dtype=jnp.int32) < K
-            x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BS)], mask=rows[:, None] & kmask[None, :], other=0.0)
-            x = x.astype(jnp.float32)
-            return acc + jnp.sum(x * x, axis=1)
-
-        ss = jax.lax.fori_loop(0, pl.cdiv(K, BS), square_sum, jnp.zeros((Mp,), jnp.float32))
-        inv_rms = 1.0 / jnp.sqrt(ss / K + eps)
+        """[Mp, BK] of x at k0 (rows past M are zeros)."""
+        return plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
 
     def body(i, acc):
         k0 = k_begin + i * BK
@@ -188,7 +170,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
         acc = jax.lax.fori_loop(0, chunks, body, acc)
 
     def out_ref(*rows):
-        return o_ref.at[(s, *rows, pl.ds(n0, BN))] if split > 1 else o_ref.at[(*rows, pl.ds(n0, BN))]
+        return o_ref.at[(s, *rows, pl.ds(n0, BN))] if split_out else o_ref.at[(*rows, pl.ds(n0, BN))]
 
     if glu:  # SwiGLU on the fp32 sums: silu(gate) * up, rounded once
         gate, up = acc
@@ -200,51 +182,42 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *rest, M, Mp, K, N, BN, BK, chunks, sp
         plgpu.store(out_ref(pl.ds(0, Mp)), acc.astype(o_ref.dtype), mask=rows[:, None] & nmask[None, :])
 
 
-def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,
-         norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False, glu: bool = False,
-         config: GemvConfig | None = None, interpret: bool | None = None) -> jax.Array:
+def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None, glu: bool = False,
+         partials: bool = False, config: GemvConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N] with fp32 accumulation, M <= MAX_ROWS.
 
     W: [K, N], or [N, K] with `transposed=True` (computes x @ W.T: a tied embedding as the LM head), or either stacked
     [L, ...] with `layer` (a Python int or a traced scalar), never sliced. out_dtype: default x.dtype (float32 for the
     LM head). interpret: None = interpret mode unless the default backend is a GPU.
 
-    Prologues, so that the layer's elementwise step costs no kernel of its own: `norm_weight` ([K], or [L, K] read at
-    `layer`) multiplies RMSNorm(x, eps) instead of x; `silu` takes x as [M, 2K] = [gate | up] and multiplies
-    silu(gate) * up. Both need the "dot" mode.
-
-    Epilogue: `glu` takes W as [K, 2N] = [gate | up] (a fused gate+up matrix) and returns silu(x @ gate) * (x @ up)
-    [M, N], from the fp32 sums: SwiGLU's activation costs no kernel and its [M, 2N] input never reaches HBM. No
-    split-K (the activation needs whole sums), "dot" mode, not transposed."""
+    Epilogues, so that the layer's next elementwise step costs no kernel of its own:
+      glu: W is [K, 2N] = [gate | up] (a fused gate+up matrix); returns silu(x @ gate) * (x @ up) [M, N] from the fp32
+        sums, so SwiGLU's [M, 2N] input never reaches HBM. No split-K (the activation needs whole sums), "dot" mode,
+        not transposed.
+      partials: returns the split-K partial sums as they are, float32 [split, M, N] (split may be 1), for a consumer
+        kernel that sums them together with its own work (add_rms_norm.py: residual add + RMSNorm) instead of a
+        separate sum here."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got {x.shape}")
-    if silu and x.shape[1] % 2:
-        raise ValueError(f"silu needs x = [gate | up] of even width, got {x.shape}")
     if w.ndim == 2:
         w, layer = w[None], 0
     elif w.ndim != 3:
         raise ValueError(f"w must be [K, N] or [L, K, N], got {w.shape}")
     elif layer is None:
         raise ValueError("a stacked [L, K, N] weight needs `layer`")
-    if glu and (transposed or silu or w.shape[2] % 2):
-        raise ValueError(f"glu needs a [K, 2N] weight, not transposed, without the silu prologue; got {w.shape}")
-    M, K = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
+    if glu and (transposed or partials or w.shape[2] % 2):
+        raise ValueError(f"glu needs a [K, 2N] weight, not transposed, without partials; got {w.shape}")
+    M, K = x.shape
     N = w.shape[1] if transposed else w.shape[2] // 2 if glu else w.shape[2]
     Kw = w.shape[2] if transposed else w.shape[1]
     if Kw != K:
-        raise ValueError(f"x {x.shape} does not fit w {w.shape} (transposed={transposed}, silu={silu})")
+        raise ValueError(f"x {x.shape} does not fit w {w.shape} (transposed={transposed})")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {M}")
     cfg = config or default_config(M, K, N)
     if glu:
         cfg = dataclasses.replace(cfg, split=1, mode="dot")
     fma = cfg.mode == "fma" and M <= 8
-    norm = norm_weight is not None
-    if (norm or silu) and fma:
-        raise ValueError("the norm and silu prologues need GemvConfig(mode='dot')")
-    if norm and (norm_weight.shape[-1] != K or norm_weight.ndim not in (1, 2)
-                 or (norm_weight.ndim == 2 and norm_weight.shape[0] != w.shape[0])):
-        raise ValueError(f"norm_weight {norm_weight.shape} does not fit x {x.shape} and w {w.shape}")
     Mp = max(16, _pow2(M))
     BN = min(cfg.block_n, max(16, _pow2(N)))
     BK = min(cfg.block_k, max(16, _pow2(K)))
@@ -253,19 +226,14 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
     chunks = pl.cdiv(total, split)
     split = pl.cdiv(total, chunks)  # no empty split
     interp = use_interpret(interpret)
-    _log_path(interp, M, K, N, cfg, "+".join(p for p, on in (("silu", silu), ("rmsnorm", norm)) if on)
-              + (" with a SwiGLU epilogue" if glu else ""))
+    _log_path(interp, M, K, N, cfg, "SwiGLU" if glu else "split-K partials" if partials else "")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    split_out = split > 1 or partials
     kernel = functools.partial(
         _gemv_kernel, M=M, Mp=Mp, K=K, N=N, BN=BN, BK=BK, chunks=chunks, split=split, transposed=transposed, fma=fma,
-        unroll=cfg.unroll, mask_k=split * chunks * BK != K, mask_n=N % BN != 0, norm=norm, eps=float(eps), silu=silu,
-        BS=max(BK, min(512, _pow2(K))), glu=glu)
-    if norm and norm_weight.ndim == 1:  # one weight for every layer of the stack
-        norm_weight = jnp.broadcast_to(norm_weight, (w.shape[0], K)) if w.shape[0] == 1 else None
-        if norm_weight is None:
-            raise ValueError("a stacked w needs a stacked [L, K] norm_weight")
-    part_dtype = jnp.float32 if split > 1 else out_dtype
-    out_shape = (split, M, N) if split > 1 else (M, N)
+        unroll=cfg.unroll, mask_k=split * chunks * BK != K, mask_n=N % BN != 0, glu=glu, split_out=split_out)
+    part_dtype = jnp.float32 if split_out else out_dtype
+    out_shape = (split, M, N) if split_out else (M, N)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
@@ -275,31 +243,21 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
             out_shape=jax.ShapeDtypeStruct(out_shape, part_dtype),
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"gemv_{'fma' if fma else 'dot'}{'_norm' if norm else ''}{'_silu' if silu else ''}"
-                 f"{'_glu' if glu else ''}_M{M}_BN{BN}_BK{BK}"
-                 f"_S{split}{'_T' if transposed else ''}",
-        )(layer_arr, x, w, *([norm_weight] if norm else []))
-    if split > 1:
+            name=f"gemv_{'fma' if fma else 'dot'}{'_glu' if glu else ''}{'_partials' if partials else ''}_M{M}_BN{BN}"
+                 f"_BK{BK}_S{split}{'_T' if transposed else ''}",
+        )(layer_arr, x, w)
+    if split > 1 and not partials:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out
 
 
 def gemv_reference(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None,
-                   norm_weight: jax.Array | None = None, eps: float = 1e-6, silu: bool = False,
                    glu: bool = False) -> jax.Array:
-    """Plain jnp: the same product (and prologue, and SwiGLU epilogue) through XLA with fp32 accumulation."""
+    """Plain jnp: the same product (and SwiGLU epilogue) through XLA with fp32 accumulation."""
     if w.ndim == 3:
         w = w[layer]
     if transposed:
         w = w.T
-    if silu:
-        g, up = jnp.split(x, 2, axis=-1)
-        g = g.astype(jnp.float32)
-        x = (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(x.dtype)
-    if norm_weight is not None:
-        g = norm_weight[layer] if norm_weight.ndim == 2 else norm_weight
-        xf = x.astype(jnp.float32)
-        x = g * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     out = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     if glu:
         gate, up = jnp.split(out, 2, axis=-1)

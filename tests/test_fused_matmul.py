@@ -1,5 +1,6 @@
-"""The serving layout (fused QKV and gate+up, models/llama.py `fuse_params`) and the matmul hook (models/matmul.py:
-"xla" or the Pallas GEMV, interpret mode on the CPU) give the same model."""
+"""The serving layout (fused QKV and gate+up, models/llama.py `fuse_params`) and the matmul hooks (models/matmul.py:
+"xla", the Pallas GEMV, the GEMV epilogues with the add + RMSNorm kernel; interpret mode on the CPU) give the same
+model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.config import ModelConfig
 from jphoton.models import llama
-from jphoton.models.matmul import PallasMatmul, XlaMatmul, resolve
+from jphoton.models.matmul import PallasMatmul, XlaMatmul, make, resolve
 from jphoton.weights.random_init import random_params
 
 from conftest import FIXTURES, make_llm, tiny_reference
@@ -27,6 +28,10 @@ def _random(cfg):
     keys = jax.random.split(jax.random.key(1), len(leaves))
     leaves = [a + 0.05 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _drop(params, key):
+    return {**params, "layers": {k: v for k, v in params["layers"].items() if k != key}}
 
 
 def _hidden(params, cfg, tokens, matmul=None, unroll=False):
@@ -57,12 +62,13 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
             h, logits = _hidden(p, cfg, tokens, matmul, unroll=matmul is not None)
             np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
-    # one token: every matrix takes the GEMV whatever its size, norm and SwiGLU activation in its prologue
-    one = tokens[:1, :1]
-    ref_h1, _ = _hidden(params, cfg, one)
-    mm = PallasMatmul(interpret=True, max_weight_elements=3000, any_weight_max_rows=1, fuse_prologues=True)
-    h1, _ = _hidden(fused, cfg, one, mm, unroll=True)
-    np.testing.assert_allclose(h1, ref_h1, rtol=1e-4, atol=1e-4)
+    # "fused" with O's bias (the residual kernel does not take one: O stays in XLA, down takes the kernel), and without
+    mm = make("fused", interpret=True)
+    for c, p in ((cfg, fused), (cfg.replace(o_bias=False), _drop(fused, "bo"))):
+        h, logits = _hidden(p, c, tokens, mm, unroll=True)
+        ref_h2, ref_logits2 = (ref_h, ref_logits) if c.o_bias else _hidden(_drop(params, "bo"), c, tokens)
+        np.testing.assert_allclose(h, ref_h2, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits, ref_logits2, rtol=1e-4, atol=1e-4)
 
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict
@@ -88,17 +94,17 @@ def test_resolve_rejects_unknown_kinds():
 
 
 def test_engine_greedy_tokens_with_pallas_matmul_match_xla_and_hf():
-    """A tiny HF checkpoint (Qwen2: QKV biases) through the engine, fused layout, decode steps through the GEMV
-    (interpret mode), prefill steps above the row threshold through XLA."""
+    """A tiny HF checkpoint (Qwen2: QKV biases) through the engine, fused layout, decode steps through the GEMV and
+    the add + RMSNorm kernel (interpret mode), prefill steps above the row threshold through XLA."""
     ref = tiny_reference("qwen2")
     n = len(ref[0][1])
     greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
     tokens = {}
-    for kind in ("xla", "pallas"):
+    for kind in ("xla", "pallas", "fused"):
         llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False)
         assert "wqkv" in llm.model.params["layers"]
         # one-row decode steps run as two rows (one padding row per step instead of a pad inside every matmul)
         assert llm.engine.scheduler.config.decode_buckets == (2, 8)
         tokens[kind] = [o.token_ids for o in llm.generate(prompts, greedy)]
-    assert tokens["pallas"] == tokens["xla"] == [t.tolist() for _, t, _ in ref]
+    assert tokens["fused"] == tokens["pallas"] == tokens["xla"] == [t.tolist() for _, t, _ in ref]

@@ -72,27 +72,20 @@ def test_bf16_output_dtype_and_default_config_limits():
         GemvConfig(block_n=48)
 
 
-@pytest.mark.parametrize("m,k,n,split", [(1, 300, 200, 2), (5, 256, 96, 1)])
-def test_norm_and_silu_prologues_match_the_reference(m, k, n, split):
-    """The fused prologues: RMSNorm(x) * weight (stacked [L, K] read at a traced layer) and silu(gate) * up from
-    x = [gate | up], each against the jnp reference of the same formula (layers.rms_norm / layers.silu_mul)."""
-    rng = np.random.default_rng()
-    cfg = GemvConfig(block_n=64, block_k=64, split=split)
+@pytest.mark.parametrize("m,k,n,config", [(2, 300, 200, GemvConfig(block_n=64, block_k=64, split=3)),
+                                          (5, 256, 96, GemvConfig(block_n=32, block_k=64, split=1))])
+def test_partials_are_the_split_k_sums(m, k, n, config):
+    """partials=True: float32 [split, M, N] partial products (split 1 included) that sum to the product; a stacked
+    weight at a traced layer."""
     x, w = _inputs(m, k, n, layers=3, dtype=jnp.bfloat16)
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal((3, k)), jnp.bfloat16)
-    f = jax.jit(lambda x, w, g, layer: gemv(x, w, layer, norm_weight=g, eps=1e-5, config=cfg))
-    out = f(x, w, g, jnp.int32(1))
-    ref = gemv_reference(x, w, 1, norm_weight=g, eps=1e-5)
-    assert rel_err(out, ref) < 2e-2
-    assert rel_err(out, gemv_reference(x, w, 1)) > 5e-2  # the norm changed the product: the test can fail
-    x2 = jnp.asarray(rng.standard_normal((m, 2 * k)), jnp.bfloat16)
-    out = jax.jit(lambda x, w, layer: gemv(x, w, layer, silu=True, config=cfg))(x2, w, jnp.int32(2))
-    ref = gemv_reference(x2, w, 2, silu=True)
-    assert out.shape == (m, n) and rel_err(out, ref) < 2e-2
-    with pytest.raises(ValueError):
-        gemv(x2[:, :-1], w, 0, silu=True)
-    with pytest.raises(ValueError):
-        gemv(x, w, 0, norm_weight=g[:, :-1])
+    parts = jax.jit(lambda x, w, layer: gemv(x, w, layer, partials=True, config=config))(x, w, jnp.int32(1))
+    assert parts.dtype == jnp.float32 and parts.shape == (config.split, m, n)
+    ref = gemv_reference(x, w, 1, out_dtype=jnp.float32)
+    assert rel_err(parts.sum(0), ref) < 1e-5
+    if config.split > 1:  # each partial covers only its K range: none is the whole product
+        assert rel_err(parts[0], ref) > 1e-2
+    with pytest.raises(ValueError, match="glu"):
+        gemv(x, w, 1, glu=True, partials=True)
 
 
 @pytest.mark.parametrize("m,k,n,config", [(1, 300, 100, None), (5, 256, 96, GemvConfig(block_n=32, block_k=64, split=4)),

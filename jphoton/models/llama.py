@@ -30,7 +30,6 @@ reference; the engine's paged attention lives in jphoton/engine/attention.py.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, swiglu
-from jphoton.models.matmul import Prologue
+from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, silu_mul
+from jphoton.models.matmul import PlainMatmul
 
 Params = dict[str, Any]
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -170,51 +169,46 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     into it and returns the attention output [..., Hq, hd]. `unroll` unrolls the layer loop: longer compiles, but no
     loop control between layers (on GPU each loop iteration is a synchronisation point for XLA). `moe_backend` only
     matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs the dense layers'
-    weight matmuls, given the stacked weight and the layer index; MoE configs ignore it. Params may be in the serving
+    weight matmuls, given the stacked weight and the layer index, and the residual adds and RMSNorms after them; MoE
+    configs ignore it. Params may be in the serving
     layout (`fuse_params`) or not."""
     if cfg.num_experts:
         from jphoton.models import qwen3_moe
 
         return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
+    mm = matmul or PlainMatmul()
+    eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    x = params["embed"][tokens]
-
     stacked = params["layers"]
+    # Each sublayer ends by normalising the residual stream for the next matmul (the MLP's norm after attention; the
+    # next layer's attention norm, or the final norm, after the MLP), so that a hook can run the residual add and the
+    # norm in one kernel: `matmul.residual`. Same ops as norm-at-the-start, in the same order.
+    next_norm = jnp.concatenate([stacked["attn_norm"][1:], params["final_norm"][None]])
+    x = params["embed"][tokens]
+    h = rms_norm(x, stacked["attn_norm"][0], eps)
 
     def layer(carry, xs):
-        x, kv = carry
-        lp, index = xs
+        x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
+        lp, norm_after, index = xs
 
-        def proj(h, key, norm=None, silu=False):
-            """prologue(h) @ lp[key], the prologue being RMSNorm with lp[norm] and/or SwiGLU's silu(gate) * up.
-            The hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into the GEMM) and
-            the stack + index (what a kernel should read: a slice fed to a custom call is materialised, i.e. copied);
-            a kernel may run the prologue itself."""
-            prologue = Prologue(lp[norm] if norm else None, stacked[norm] if norm else None, cfg.rms_norm_eps, silu)
-            if matmul is None:
-                return dense(prologue(h), lp[key])
-            return matmul(h, lp[key], stacked[key], index, prologue=prologue)
+        def proj(v, key):
+            """v @ lp[key]; the hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into
+            the GEMM) and the stack + index (what a kernel should read: a slice fed to a custom call is copied)."""
+            return mm(v, lp[key], stacked[key], index)
 
-        q, k, v = _attention_projections(cfg, lp, x, positions, inv_freq, functools.partial(proj, norm="attn_norm"))
+        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
         o, kv = attend(q, k, v, kv, index)
-        o = proj(o.reshape(*x.shape[:-1], cfg.q_size), "wo")
-        if cfg.o_bias:
-            o = o + lp["bo"]
-        x = x + o
-        if "w_gate_up" in lp and matmul is not None:  # the hook may fuse SwiGLU into the gate+up matmul
-            prologue = Prologue(lp["mlp_norm"], stacked["mlp_norm"], cfg.rms_norm_eps)
-            x = x + proj(matmul.glu(x, lp["w_gate_up"], stacked["w_gate_up"], index, prologue=prologue), "w_down")
-        elif "w_gate_up" in lp:
-            x = x + proj(proj(x, "w_gate_up", norm="mlp_norm"), "w_down", silu=True)
-        elif matmul is None:
-            x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+        x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
+                           stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
+        if "w_gate_up" in lp:
+            act = mm.glu(h, lp["w_gate_up"], stacked["w_gate_up"], index)
         else:
-            gate_up = jnp.concatenate([proj(x, "w_gate", norm="mlp_norm"), proj(x, "w_up", norm="mlp_norm")], axis=-1)
-            x = x + proj(gate_up, "w_down", silu=True)
-        return (x, kv), None
+            act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
+        x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
+        return (x, h, kv), None
 
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    (_, h, kv), _ = jax.lax.scan(layer, (x, h, kv), (stacked, next_norm, jnp.arange(cfg.num_layers)), unroll=unroll)
+    return h, kv
 
 
 def lm_head(params: Params, hidden: jax.Array, matmul=None) -> jax.Array:

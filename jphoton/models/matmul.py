@@ -1,6 +1,16 @@
-"""How the dense layers' weight matmuls run: "xla" (XLA dots, a one-token step computed as two rows), "xla-plain" (the
-model's plain `@`), or "pallas" (the decode GEMV in pallas_kernels/gemv.py for steps of at most `max_rows` tokens, XLA
-above). Chosen once, when the model is built (models/protocol.py llama_family, `LLM(matmul=...)`).
+"""How the dense layers' weight matmuls run, chosen once when the model is built (models/protocol.py llama_family,
+`LLM(matmul=...)`). The model calls a hook for four things: a product (`__call__`), gate+up with SwiGLU (`glu`), a
+sublayer's output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the
+LM head (`head`). Kinds:
+
+  "xla-plain"  XLA dots as written (`PlainMatmul`), the CPU default.
+  "xla"        XLA dots, a one-token step computed as two rows (`XlaMatmul`).
+  "pallas"     the decode GEMV (pallas_kernels/gemv.py) for the small matrices (QKV, O) of steps of <= 32 tokens,
+               XLA otherwise (`PallasMatmul`).
+  "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue
+               and O and down through the GEMV writing split-K partials that one kernel sums into the residual and
+               normalises (pallas_kernels/add_rms_norm.py): per layer, 3 kernels instead of 7 for those steps
+               (`XlaMatmul(glu_gemv=True, residual_gemv=True)`).
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
@@ -11,26 +21,17 @@ bandwidth-bound product, i.e. nothing measurable. In serving the engine rounds i
 pad and slice kernels around every matmul cost 1.330 vs 1.269 ms per 1B step on the H100 (RESULTS.md).
 
 A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the layer scan's slice fuses into the GEMM)
-and with the stacked weight [L, K, N] + layer index (what the kernel reads: a Pallas call fed a slice of the stack would
-make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic), and optionally with the
-elementwise step that produces its input (`Prologue`: the RMSNorm before QKV and gate/up, the SwiGLU activation
-before down). XLA fuses those with its neighbours; the GEMV can run them in its own prologue (`fuse_prologues`), which
-was meant to save a kernel launch each at B=1 but measured slower (RESULTS.md, 2026-11-23 17:15: the norm prologue
-made the QKV GEMV 6.7 -> 10.9 us, the SwiGLU prologue made down 13 -> 28 us), so it is off by default.
+and with the stacked weight [L, K, N] + layer index (what a kernel reads: a Pallas call fed a slice of the stack would
+make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic).
 
-Applying RMSNorm's row scale to the dot's output instead (the GEMM reading x * g) was measured at +0.7% / -1.3% per
-step at B = 2 / 32 and removed (RESULTS.md, 2026-11-23 18:56). `XlaMatmul(glu_gemv=True)` runs gate+up through the
-Pallas GEMV with SwiGLU in its epilogue (no activation kernel, no [.., 2F] intermediate): tested, not yet measured on
-a GPU (`gpu_suite.sh decode-matmul-glu`), so off.
-
-GPU default ("auto"): "xla". In the same H100 run, the engine's 1B decode step took 1.304 / 1.616 ms (B=1 / 32) with
-"xla" against 1.336 / 1.722 ms with "pallas" (RESULTS.md): the GEMV wins its matrices alone (QKV 1.85x) but the step
-loses, the XLA dots fusing the norms and adds around them.
+Measured and dropped (RESULTS.md, 2026-11-23): the GEMV running RMSNorm or SwiGLU on its input inside the K loop
+(the QKV GEMV 6.7 -> 10.9 us, down 13 -> 28 us), and RMSNorm's row scale applied after an XLA dot (+0.7% / -1.3%).
+"xla" beat "pallas" on the whole 1B step (1.304 / 1.616 against 1.336 / 1.722 ms at B = 1 / 32): the GEMV wins its
+matrices alone (QKV 1.85x) but XLA fused the norms and adds around its dots, which the custom call cannot.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
@@ -41,37 +42,15 @@ from jphoton.models.layers import dense, rms_norm, silu_mul
 
 log = logging.getLogger("jphoton")
 
-KINDS = ("auto", "xla", "xla-plain", "pallas")
+KINDS = ("auto", "xla", "xla-plain", "pallas", "fused")
 # "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
 GPU_DEFAULT = "xla"
-# Most tokens in a step for which "pallas" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
+# Most tokens in a step for which "pallas" and "fused" use the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
 # Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
 # the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
-# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M)...
+# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
-# ...except in steps of at most this many tokens (0 = none), where every layer matrix takes the GEMV (with
-# fuse_prologues: its norm / activation in the kernel, no two-row padding). Measured slower, see the module docstring.
-PALLAS_ANY_WEIGHT_MAX_ROWS = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Prologue:
-    """The elementwise step before a weight matmul: RMSNorm with this layer's weight (`norm`, with the stack and eps
-    for kernels), or silu(gate) * up of an input [..., 2F] = [gate | up] (`silu`)."""
-
-    norm: jax.Array | None = None  # [K], this layer's
-    norm_stack: jax.Array | None = None  # [L, K]
-    eps: float = 1e-6
-    silu: bool = False
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """The prologue in plain jnp (XLA fuses it with its neighbours)."""
-        if self.silu:
-            x = silu_mul(*jnp.split(x, 2, axis=-1))
-        if self.norm is not None:
-            x = rms_norm(x, self.norm, self.eps)
-        return x
 
 
 def resolve(kind: str) -> str:
@@ -106,85 +85,111 @@ def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return out[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
-class XlaMatmul:
-    """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
-    a GEMM at any row count, so it is a plain dot. The engine runs its decode steps with at least `min_rows` rows
-    (models/protocol.py), so in serving the padding happens once per step, not in every matmul."""
+class PlainMatmul:
+    """XLA dots as the model writes them; the base of the other hooks, whose methods fall back to these."""
 
-    min_rows = 2
+    min_rows = 1
 
-    def __init__(self, glu_gemv: bool = False, interpret: bool | None = None):
-        self.glu_gemv = glu_gemv
-        self.interpret = interpret
-        log.info("dense matmuls: XLA (one-token steps as two rows%s)",
-                 ", gate+up with SwiGLU through the Pallas GEMV's epilogue for decode-sized steps" if glu_gemv else "")
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
+        """x [..., K] @ w [K, N] (this layer's matrix; `stacked` [L, K, N] and `layer` are for kernels)."""
+        return dense(x, w)
 
-    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, prologue: Prologue | None = None
-            ) -> jax.Array:
-        """silu(gate) * up of prologue(x) @ w, w = [gate | up] [K, 2F]. With glu_gemv, steps of at most
-        PALLAS_MAX_ROWS tokens run one Pallas GEMV that applies the activation to its fp32 sums (no SwiGLU kernel,
-        no [.., 2F] intermediate in HBM); the prologue stays in XLA."""
-        if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
-            from pallas_kernels.gemv import gemv
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
+        """silu(gate) * up of x @ w, w = [gate | up] [K, 2F]."""
+        return swiglu_of(self(x, w, stacked, layer))
 
-            x = prologue(x) if prologue else x
-            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, glu=True, interpret=self.interpret)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return swiglu_of(self(x, w, prologue=prologue))
-
-    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None,
-                 prologue: Prologue | None = None) -> jax.Array:
-        """prologue(x) [..., K] @ w [K, N] (this layer's matrix; `stacked`/`layer` are for kernels and unused here).
-        An earlier version indexed the stack here with the traced layer index; its H100 step was 1.3 ms slower than
-        plain `@`, consistent with XLA copying each layer's weights (that run had other faults, see RESULTS.md)."""
-        return two_row_dot(prologue(x) if prologue else x, w)
+    def residual(self, h: jax.Array, y: jax.Array, w: jax.Array, stacked: jax.Array, layer, norm: jax.Array,
+                 norm_stack: jax.Array, eps: float, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """h' = h + y @ w (+ bias), and RMSNorm(h') * norm: the residual stream and the next matmul's input.
+        `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels)."""
+        out = self(y, w, stacked, layer)
+        h = h + (out if bias is None else out + bias)
+        return h, rms_norm(h, norm, eps)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
 
 
-class PallasMatmul:
-    """Decode-sized steps through the Pallas GEMV, larger ones through XLA. interpret: None = interpret mode off GPU.
-    min_rows as XlaMatmul: the matrices above the GEMV's size limit take two-row XLA dots."""
+class XlaMatmul(PlainMatmul):
+    """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
+    a GEMM at any row count, so it is a plain dot. The engine runs its decode steps with at least `min_rows` rows
+    (models/protocol.py), so in serving the padding happens once per step, not in every matmul.
+
+    For steps of at most PALLAS_MAX_ROWS tokens: `glu_gemv` runs gate+up as one Pallas GEMV that applies SwiGLU to its
+    fp32 sums (no activation kernel, no [.., 2F] intermediate in HBM); `residual_gemv` runs the output projections
+    (O, down) as GEMVs whose split-K partials go straight into the add + RMSNorm kernel (no sum, add or norm kernels);
+    `small_gemv` runs the other matrices of at most PALLAS_MAX_WEIGHT_ELEMENTS (QKV) through the GEMV."""
+
+    min_rows = 2
+
+    def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, small_gemv: bool = False,
+                 interpret: bool | None = None):
+        self.glu_gemv = glu_gemv
+        self.residual_gemv = residual_gemv
+        self.small_gemv = small_gemv
+        self.interpret = interpret
+        gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
+                                       ("O and down into the add + RMSNorm kernel", residual_gemv),
+                                       (f"the other matrices of <= {PALLAS_MAX_WEIGHT_ELEMENTS} elements", small_gemv))
+                 if on]
+        log.info("dense matmuls: XLA (one-token steps as two rows)%s",
+                 f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
+
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
+        """x [..., K] @ w [K, N]. An earlier version indexed the stack here with the traced layer index; its H100 step
+        was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
+        if (self.small_gemv and _rows(x) <= PALLAS_MAX_ROWS and stacked is not None
+                and w.shape[0] * w.shape[1] <= PALLAS_MAX_WEIGHT_ELEMENTS):
+            from pallas_kernels.gemv import gemv
+
+            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return two_row_dot(x, w)
+
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
+        if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
+            from pallas_kernels.gemv import gemv
+
+            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, glu=True, interpret=self.interpret)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return super().glu(x, w, stacked, layer)
+
+    def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
+        if self.residual_gemv and bias is None and _rows(y) <= PALLAS_MAX_ROWS:
+            from pallas_kernels.add_rms_norm import add_rms_norm
+            from pallas_kernels.gemv import gemv
+
+            parts = gemv(y.reshape(-1, y.shape[-1]), stacked, layer, partials=True, interpret=self.interpret)
+            h2, normed = add_rms_norm(h.reshape(-1, h.shape[-1]), parts, norm_stack, layer, eps=eps,
+                                      interpret=self.interpret)
+            return h2.reshape(h.shape), normed.reshape(h.shape)
+        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
+
+
+class PallasMatmul(PlainMatmul):
+    """Decode-sized steps through the Pallas GEMV for matrices of at most `max_weight_elements`, XLA two-row dots
+    otherwise. interpret: None = interpret mode off GPU."""
 
     min_rows = 2
 
     def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
-                 any_weight_max_rows: int = PALLAS_ANY_WEIGHT_MAX_ROWS, fuse_prologues: bool = False,
                  interpret: bool | None = None):
         from pallas_kernels import gemv
 
         self.max_rows = min(max_rows, gemv.MAX_ROWS)
         self.max_weight_elements = max_weight_elements
-        self.any_weight_max_rows = any_weight_max_rows
-        self.fuse_prologues = fuse_prologues
         self.interpret = interpret
-        log.info("dense matmuls: %s (norm / SwiGLU prologues %s) for steps of <= %d tokens and weights of <= %d "
-                 "elements (any weight at <= %d tokens), XLA (one-token steps as two rows) otherwise",
-                 gemv.path_name(interpret), "in the kernel" if fuse_prologues else "in XLA", self.max_rows,
-                 max_weight_elements, any_weight_max_rows)
+        log.info("dense matmuls: %s for steps of <= %d tokens and weights of <= %d elements, XLA (one-token steps as "
+                 "two rows) otherwise", gemv.path_name(interpret), self.max_rows, max_weight_elements)
 
-    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer,
-                 prologue: Prologue | None = None) -> jax.Array:
-        """prologue(x) [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer`
-        instead, and runs the prologue itself."""
+    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
+        """x [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer`."""
         from pallas_kernels.gemv import gemv
 
-        rows = _rows(x)
-        if rows > self.max_rows or (w.shape[0] * w.shape[1] > self.max_weight_elements
-                                    and rows > self.any_weight_max_rows):
-            return two_row_dot(prologue(x) if prologue else x, w)
-        p = prologue or Prologue()
-        if not self.fuse_prologues:
-            x, p = p(x), Prologue()
-        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, norm_weight=p.norm_stack, eps=p.eps, silu=p.silu,
-                   interpret=self.interpret)
+        if _rows(x) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
+            return two_row_dot(x, w)
+        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, prologue: Prologue | None = None
-            ) -> jax.Array:
-        """silu(gate) * up of prologue(x) @ w, w = [gate | up] [K, 2F]."""
-        return swiglu_of(self(x, w, stacked, layer, prologue=prologue))
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
@@ -195,13 +200,14 @@ class PallasMatmul:
         return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
 
 
-def make(kind, interpret: bool | None = None) -> XlaMatmul | PallasMatmul | None:
-    """None for "xla-plain" (the model's plain `@` code path, unchanged), else the hook; a hook object passes through
-    (benchmarks build variants)."""
+def make(kind, interpret: bool | None = None) -> PlainMatmul:
+    """The hook for a kind (module docstring); a hook object passes through (benchmarks build variants)."""
     if not isinstance(kind, str):
         return kind
     kind = resolve(kind)
     if kind == "xla-plain":
         log.info("dense matmuls: XLA (plain)")
-        return None
-    return XlaMatmul() if kind == "xla" else PallasMatmul(interpret=interpret)
+        return PlainMatmul()
+    if kind == "pallas":
+        return PallasMatmul(interpret=interpret)
+    return XlaMatmul(glu_gemv=kind == "fused", residual_gemv=kind == "fused", interpret=interpret)

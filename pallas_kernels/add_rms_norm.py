@@ -1,0 +1,88 @@
+"""Residual add + RMSNorm after a split-K GEMV, as one Pallas (Triton backend) kernel, plus a plain-jnp reference.
+
+A decoder layer ends each sublayer with `h = h + x @ W` and then normalises h for the next matmul. In a decode step
+those are tiny ([M, D] with M a few rows) and XLA runs them as two kernels (the add, then the norm, each ~1.3-1.8 us
+on the H100, mostly launch and ramp: RESULTS.md, the 1B step kernel by kernel), plus a third to sum the GEMV's split-K
+partials. This kernel takes the partials as the GEMV wrote them (`gemv(..., partials=True)`: float32 [S, M, D]) and
+does all three: one program per row sums the S partials, rounds the product to h's dtype (as the dot's output would
+be), adds it to h, and normalises the result, writing both h and the normed row.
+
+Numerics follow jphoton/models/layers.py op for op (fp32 statistics; the normed row rounded to h's dtype before the
+weight multiplies; every bf16 op rounded once), so the fused path computes what the XLA path computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import log_once, next_pow2, use_interpret
+
+log = logging.getLogger("jphoton.kernels")
+
+
+def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, D, Dp, eps):
+    r = pl.program_id(0)
+    cols = pl.ds(0, Dp)
+    mask = jnp.arange(Dp, dtype=jnp.int32) < D if Dp != D else None
+
+    def load(ref):
+        return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+    y = load(p_ref.at[jnp.int32(0), r, cols])  # scalar indices as jnp ints: interpret mode rejects Python ints
+    for s in range(1, S):
+        y = y + load(p_ref.at[jnp.int32(s), r, cols])
+    dtype = h_out_ref.dtype
+    h = (load(h_ref.at[r, cols]).astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
+    hf = h.astype(jnp.float32)
+    inv_rms = 1.0 / jnp.sqrt(jnp.sum(hf * hf) / D + eps)  # masked columns are zeros
+    g = load(w_ref.at[layer_ref[0], cols]).astype(jnp.float32)
+    normed = g * (hf * inv_rms).astype(dtype).astype(jnp.float32)
+    plgpu.store(h_out_ref.at[r, cols], h, mask=mask)
+    plgpu.store(n_out_ref.at[r, cols], normed.astype(n_out_ref.dtype), mask=mask)
+
+
+def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """h [M, D] + sum(parts [S, M, D]) -> (h', RMSNorm(h') * weight), h' in h's dtype, the normed rows in the dtype
+    `weight * h'` has. weight: [D], or stacked [L, D] read at `layer` (a Python int or a traced scalar; never sliced,
+    so a layer loop does not copy it). interpret: None = interpret mode unless the default backend is a GPU."""
+    if h.ndim != 2 or parts.ndim != 3 or parts.shape[1:] != h.shape:
+        raise ValueError(f"parts must be [S, M, D] over h [M, D]; got h {h.shape}, parts {parts.shape}")
+    if weight.ndim == 1:
+        weight, layer = weight[None], 0
+    elif layer is None:
+        raise ValueError("a stacked [L, D] weight needs `layer`")
+    if weight.ndim != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight {weight.shape} does not fit h {h.shape}")
+    (M, D), S = h.shape, parts.shape[0]
+    interp = use_interpret(interpret)
+    log_once(log, ("add_rms_norm", interp, M, D, S), "add_rms_norm [%d, %d] + %d partials: %s", M, D, S,
+             "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
+    normed_dtype = jnp.result_type(weight.dtype, h.dtype)
+    kernel = functools.partial(_kernel, S=S, D=D, Dp=next_pow2(D), eps=float(eps))
+    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        return pl.pallas_call(
+            kernel,
+            grid=(M,),
+            out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, normed_dtype)),
+            interpret=interp,
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            name=f"add_rms_norm_M{M}_S{S}",
+        )(jnp.asarray(layer, jnp.int32).reshape(1), h, parts, weight)
+
+
+def add_rms_norm_reference(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float
+                           ) -> tuple[jax.Array, jax.Array]:
+    """Plain jnp, the formulas of the model's XLA path (jphoton/models/layers.py `dense`'s rounding, `rms_norm`)."""
+    h = h + jnp.sum(parts, axis=0).astype(h.dtype)
+    xf = h.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return h, (weight[layer] if weight.ndim == 2 else weight) * xf.astype(h.dtype)
