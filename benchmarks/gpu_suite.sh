@@ -101,6 +101,11 @@ for section in "$@"; do
       # request) and 32 at 512 tokens of context (each per-layer call is ~5 / ~17 us: latency, not bandwidth)
       run attention-sweep-512 python3 benchmarks/attention_decode.py --sweep --paths pallas --batch 2 32 --ctx 512 \
         --time-per-path 0.3 --out "$OUT/attention-sweep-512.json" ;;
+    decode-matmul-fused-quick)  # the engine's 1B step at B = 2 and 32: "xla" vs "fused", then the "fused" step's kernels
+      run decode-matmul-fused-quick python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \
+        --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
+      run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
+        --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
     decode-matmul-fused)  # the engine's 1B step at B = 2 and 32: "xla" vs its GEMV epilogues one at a time (gate+up
       # with SwiGLU; O and down into the add + RMSNorm kernel), both ("fused"), and both + QKV through the GEMV
       run decode-matmul-fused python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \

@@ -27,17 +27,20 @@ from pallas_kernels.common import log_once, next_pow2, use_interpret
 log = logging.getLogger("jphoton.kernels")
 
 
-def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, D, Dp, eps):
+def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, Dp, eps):
     r = pl.program_id(0)
     cols = pl.ds(0, Dp)
-    mask = jnp.arange(Dp, dtype=jnp.int32) < D if Dp != D else None
+    in_row = jnp.arange(Dp, dtype=jnp.int32) < D
+    mask = in_row if Dp != D else None
 
     def load(ref):
         return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
-    y = load(p_ref.at[jnp.int32(0), r, cols])  # scalar indices as jnp ints: interpret mode rejects Python ints
-    for s in range(1, S):
-        y = y + load(p_ref.at[jnp.int32(s), r, cols])
+    # All S partials as one [Sp, Dp] tile: one load whose latency is paid once. Summed one [Dp] load at a time, the
+    # loads were issued one after another (H100 profile: 2.6 us with 4 partials, 3.7 us with 8).
+    parts = plgpu.load(p_ref.at[pl.ds(0, Sp), r, cols],
+                       mask=(jnp.arange(Sp, dtype=jnp.int32) < S)[:, None] & in_row[None, :], other=0.0)
+    y = jnp.sum(parts, axis=0)
     dtype = h_out_ref.dtype
     h = (load(h_ref.at[r, cols]).astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
     hf = h.astype(jnp.float32)
@@ -48,7 +51,7 @@ def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, D, Dp, e
     plgpu.store(n_out_ref.at[r, cols], normed.astype(n_out_ref.dtype), mask=mask)
 
 
-def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float,
+def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float, num_warps: int = 8,
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """h [M, D] + sum(parts [S, M, D]) -> (h', RMSNorm(h') * weight), h' in h's dtype, the normed rows in the dtype
     `weight * h'` has. weight: [D], or stacked [L, D] read at `layer` (a Python int or a traced scalar; never sliced,
@@ -66,7 +69,7 @@ def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, 
     log_once(log, ("add_rms_norm", interp, M, D, S), "add_rms_norm [%d, %d] + %d partials: %s", M, D, S,
              "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
     normed_dtype = jnp.result_type(weight.dtype, h.dtype)
-    kernel = functools.partial(_kernel, S=S, D=D, Dp=next_pow2(D), eps=float(eps))
+    kernel = functools.partial(_kernel, S=S, Sp=next_pow2(S), D=D, Dp=next_pow2(D), eps=float(eps))
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         return pl.pallas_call(
@@ -74,7 +77,7 @@ def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, 
             grid=(M,),
             out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, normed_dtype)),
             interpret=interp,
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             name=f"add_rms_norm_M{M}_S{S}",
         )(jnp.asarray(layer, jnp.int32).reshape(1), h, parts, weight)
 
