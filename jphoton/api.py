@@ -42,7 +42,9 @@ class LLM:
     decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
     matmul: how dense weight matmuls and the LM head run: "xla" (one-token steps padded to two rows, see
     models/matmul.py), "xla-plain", "pallas" (pallas_kernels/gemv.py for decode-sized steps and matrices below 10M
-    elements, XLA otherwise) or "auto" ("xla" on GPU, the faster step on the H100; "xla-plain" on CPU). Loaded
+    elements, XLA otherwise), "fused" ("xla" plus, in decode-sized steps, the GEMV with SwiGLU in its epilogue for
+    gate+up and the residual add + RMSNorm kernel after O and down) or "auto" ("fused" on GPU, the fastest step on the
+    H100; "xla-plain" on CPU), or a hook object of models/matmul.py. Loaded
     weights are served in the fused layout (one QKV and one gate+up matrix per layer, models/llama.py `fuse_params`).
     attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
     context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,

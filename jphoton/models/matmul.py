@@ -7,10 +7,11 @@ LM head (`head`). Kinds:
   "xla"        XLA dots, a one-token step computed as two rows (`XlaMatmul`).
   "pallas"     the decode GEMV (pallas_kernels/gemv.py) for the small matrices (QKV, O) of steps of <= 32 tokens,
                XLA otherwise (`PallasMatmul`).
-  "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue
-               and O and down through the GEMV writing split-K partials that one kernel sums into the residual and
-               normalises (pallas_kernels/add_rms_norm.py): per layer, 3 kernels instead of 7 for those steps
-               (`XlaMatmul(glu_gemv=True, residual_gemv=True)`).
+  "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue,
+               and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
+               into the residual and normalises (pallas_kernels/add_rms_norm.py): 3 kernels instead of 7 per layer
+               (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
+               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 21:20).
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
@@ -44,13 +45,18 @@ log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "pallas", "fused")
 # "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
-GPU_DEFAULT = "xla"
+GPU_DEFAULT = "fused"
 # Most tokens in a step for which "pallas" and "fused" use the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
 # Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
 # the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
 # range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
+# Fewest tokens in a step for which "fused" runs O and down through the add + RMSNorm kernel. Same H100 run, 1B step
+# (RESULTS.md, 2026-11-23 21:20): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
+# +1.1 / +0.6 / +0.5% per step at 2 / 8 / 16 rows and -2.1% at 32 (the kernel costs 2.3-3.2 us per call whatever the
+# row count, ~1 us more than expected; XLA's kernels grow with the rows).
+FUSED_RESIDUAL_MIN_ROWS = 17
 
 
 def resolve(kind: str) -> str:
@@ -123,13 +129,15 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, small_gemv: bool = False,
-                 interpret: bool | None = None):
+                 residual_min_rows: int = 1, interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
+        self.residual_min_rows = residual_min_rows
         self.small_gemv = small_gemv
         self.interpret = interpret
         gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
-                                       ("O and down into the add + RMSNorm kernel", residual_gemv),
+                                       (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)",
+                                        residual_gemv),
                                        (f"the other matrices of <= {PALLAS_MAX_WEIGHT_ELEMENTS} elements", small_gemv))
                  if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
@@ -155,7 +163,7 @@ class XlaMatmul(PlainMatmul):
         return super().glu(x, w, stacked, layer)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
-        if self.residual_gemv and bias is None and _rows(y) <= PALLAS_MAX_ROWS:
+        if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
             from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
 
@@ -210,4 +218,6 @@ def make(kind, interpret: bool | None = None) -> PlainMatmul:
         return PlainMatmul()
     if kind == "pallas":
         return PallasMatmul(interpret=interpret)
-    return XlaMatmul(glu_gemv=kind == "fused", residual_gemv=kind == "fused", interpret=interpret)
+    fused = kind == "fused"
+    return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
+                     interpret=interpret)
