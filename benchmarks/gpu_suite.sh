@@ -137,6 +137,10 @@ for section in "$@"; do
     vs-pytorch-8b-b8)  # 8B at B=8: HF static and jphoton pipelined in one process (the 8B compiles need most of a box)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows hf-static jphoton-pipelined --batch 8 \
         --agree 0 --time-budget 200 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-8b-b32-b128)  # 8B at B=32 and 128: HF static and jphoton pipelined in one process (cases past the
+      # time budget are recorded as skipped)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows hf-static jphoton-pipelined --batch 32 128 \
+        --agree 0 --time-budget 330 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b1)  # the headline case in one process: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 --time-budget 400 --out "$OUT" --tag "$section" ;;
