@@ -106,11 +106,10 @@ for section in "$@"; do
         --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
       run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
-    decode-matmul-fused)  # the engine's 1B step at B = 2 and 32: "xla" vs its GEMV epilogues one at a time (gate+up
-      # with SwiGLU; O and down into the add + RMSNorm kernel), both ("fused"), and both + QKV through the GEMV
-      run decode-matmul-fused python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \
-        --variants xla-fused xla-glu-fused xla-residual-fused fused-fused fused-qkv-fused \
-        --out "$OUT/decode-matmul-fused.json" ;;
+    decode-matmul-fused)  # the engine's 1B step at B = 2, 8, 16, 32: "xla" vs its GEMV epilogues one at a time (gate+up
+      # with SwiGLU; O and down into the add + RMSNorm kernel at any row count) and "fused" (models/matmul.py)
+      run decode-matmul-fused python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 32 \
+        --variants xla-fused xla-glu-fused xla-residual-fused fused-fused --out "$OUT/decode-matmul-fused.json" ;;
     decode-matmul)  # issue 8: Llama-3.2-1B decode matmuls (qkv/o/gate_up/down/lm_head, M = 1 8 32): XLA unfused and fused
       # vs the Pallas GEMV (pallas_kernels/gemv.py) with a config sweep at M = 1 and 32: us, TB/s vs read bandwidth, error
       run decode-matmul python3 benchmarks/decode_matmul.py --max-configs 10 --out "$OUT/decode-matmul.json" ;;

@@ -11,7 +11,7 @@ LM head (`head`). Kinds:
                and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
                into the residual and normalises (pallas_kernels/add_rms_norm.py): 3 kernels instead of 7 per layer
                (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
-               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 21:20).
+               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:55-21:19).
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
@@ -53,7 +53,7 @@ PALLAS_MAX_ROWS = 32
 # range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
 # Fewest tokens in a step for which "fused" runs O and down through the add + RMSNorm kernel. Same H100 run, 1B step
-# (RESULTS.md, 2026-11-23 21:20): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
+# (RESULTS.md, 2026-11-23 20:55-21:19): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
 # +1.1 / +0.6 / +0.5% per step at 2 / 8 / 16 rows and -2.1% at 32 (the kernel costs 2.3-3.2 us per call whatever the
 # row count, ~1 us more than expected; XLA's kernels grow with the rows).
 FUSED_RESIDUAL_MIN_ROWS = 17
@@ -123,35 +123,27 @@ class XlaMatmul(PlainMatmul):
 
     For steps of at most PALLAS_MAX_ROWS tokens: `glu_gemv` runs gate+up as one Pallas GEMV that applies SwiGLU to its
     fp32 sums (no activation kernel, no [.., 2F] intermediate in HBM); `residual_gemv` runs the output projections
-    (O, down) as GEMVs whose split-K partials go straight into the add + RMSNorm kernel (no sum, add or norm kernels);
-    `small_gemv` runs the other matrices of at most PALLAS_MAX_WEIGHT_ELEMENTS (QKV) through the GEMV."""
+    (O, down) of steps of at least `residual_min_rows` tokens as GEMVs whose split-K partials go straight into the
+    add + RMSNorm kernel (no sum, add or norm kernels). QKV through the GEMV as well was measured and gained nothing
+    (1.220 / 1.534 against 1.211 / 1.537 ms at B = 2 / 32, RESULTS.md)."""
 
     min_rows = 2
 
-    def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, small_gemv: bool = False,
-                 residual_min_rows: int = 1, interpret: bool | None = None):
+    def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
+                 interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
-        self.small_gemv = small_gemv
         self.interpret = interpret
         gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
                                        (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)",
-                                        residual_gemv),
-                                       (f"the other matrices of <= {PALLAS_MAX_WEIGHT_ELEMENTS} elements", small_gemv))
-                 if on]
+                                        residual_gemv)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N]. An earlier version indexed the stack here with the traced layer index; its H100 step
         was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
-        if (self.small_gemv and _rows(x) <= PALLAS_MAX_ROWS and stacked is not None
-                and w.shape[0] * w.shape[1] <= PALLAS_MAX_WEIGHT_ELEMENTS):
-            from pallas_kernels.gemv import gemv
-
-            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
         return two_row_dot(x, w)
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
