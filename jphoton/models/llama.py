@@ -170,8 +170,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     loop control between layers (on GPU each loop iteration is a synchronisation point for XLA). `moe_backend` only
     matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs the dense layers'
     weight matmuls, given the stacked weight and the layer index, and the residual adds and RMSNorms after them; MoE
-    configs ignore it. Params may be in the serving
-    layout (`fuse_params`) or not."""
+    configs ignore it. Params may be in the serving layout (`fuse_params`) or not."""
     if cfg.num_experts:
         from jphoton.models import qwen3_moe
 
