@@ -11,7 +11,7 @@ LM head (`head`). Kinds:
                and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
                into the residual and normalises (pallas_kernels/add_rms_norm.py): 3 kernels instead of 7 per layer
                (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
-               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:55-21:19).
+               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:54-21:31).
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
@@ -53,7 +53,7 @@ PALLAS_MAX_ROWS = 32
 # range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
 PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
 # Fewest tokens in a step for which "fused" runs O and down through the add + RMSNorm kernel. Same H100 run, 1B step
-# (RESULTS.md, 2026-11-23 20:55-21:19): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
+# (RESULTS.md, 2026-11-23 20:54-21:31): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
 # +1.1 / +0.6 / +0.5% per step at 2 / 8 / 16 rows and -2.1% at 32 (the kernel costs 2.3-3.2 us per call whatever the
 # row count, ~1 us more than expected; XLA's kernels grow with the rows).
 FUSED_RESIDUAL_MIN_ROWS = 17
