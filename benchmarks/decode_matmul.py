@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import logging
 import sys
@@ -210,10 +209,6 @@ def _print_best(rows: list[dict]) -> None:
                   f"({bp['path'][7:]})  x{bx['us'] / bp['us']:.2f}")
 
 
-def _forward_hiding_takes_rope(forward, params, tokens, positions, kv, attend):
-    return forward(params, tokens, positions, kv, functools.partial(attend))
-
-
 def run_e2e(args) -> list[dict]:
     from benchmarks.pipeline import device_step_ms
     from jphoton import LLM
@@ -223,8 +218,7 @@ def run_e2e(args) -> list[dict]:
 
     spec = "random:llama3.2-1b:layers=2:vocab=512" if args.smoke else "random:llama3.2-1b"
     rows = []
-    runs = [(v, rope) for v in args.variants for rope in (("kernel", "xla") if args.rope_ab else ("kernel",))]
-    for variant, rope in runs:
+    for variant in args.variants:
         matmul, layout = variant.rsplit("-", 1)
         if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
             from jphoton.models.matmul import XlaMatmul
@@ -235,9 +229,6 @@ def run_e2e(args) -> list[dict]:
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
                                  fuse=layout == "fused")
             del loaded
-            if rope == "xla":  # an attend seen without `takes_rope`: the model rotates q and k in XLA (llama.py)
-                model.forward = functools.partial(_forward_hiding_takes_rope, model.forward)
-                variant = f"{variant} (RoPE in XLA)"
             B = max(args.batch)
             # the engine's default attention (every variant the same) over --ctx tokens per row, so that the step
             # differs between variants only in its matmuls
@@ -281,8 +272,6 @@ def main() -> None:
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
                          "unfused|fused")
-    ap.add_argument("--rope-ab", action="store_true",
-                    help="e2e: each variant also with RoPE in XLA instead of the attention kernel")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()

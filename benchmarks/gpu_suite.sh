@@ -106,12 +106,6 @@ for section in "$@"; do
         --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
       run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
-    rope-kernel-ab)  # the engine's 1B step at B = 2 and 32: RoPE in the attention kernel (the default) vs in XLA, then
-      # the default step's kernels
-      run rope-kernel-ab python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants fused-fused --rope-ab \
-        --out "$OUT/rope-kernel-ab.json"
-      run kernel-profile-quick python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
-        --out "$OUT/kernel-profile-quick.json" ;;
     decode-matmul-fused)  # the engine's 1B step at B = 2, 8, 16, 32: "xla" vs its GEMV epilogues one at a time (gate+up
       # with SwiGLU; O and down into the add + RMSNorm kernel at any row count) and "fused" (models/matmul.py)
       run decode-matmul-fused python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 32 \

@@ -116,9 +116,7 @@ def path_name(interpret: bool | None = None) -> str:
 
 
 def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
-            window, scale, pv_dtype, precision, write, k_off=0, v_off=0, rope=False):
-    if rope:  # inverse frequencies [hd / 2], float32: q and the current key are rotated here (RoPE at ctx - 1)
-        inv_ref, *refs = refs
+            window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
     if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
         kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
@@ -140,34 +138,12 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
     gg = jnp.arange(Gp, dtype=jnp.int32)
     dd = jnp.arange(HD, dtype=jnp.int32)
     gmask, dmask = gg < G, dd < hd
-    qmask = gmask[:, None] & dmask[None, :]
-    q = plgpu.load(q_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], mask=qmask, other=0.0)
+    q = plgpu.load(q_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = q.astype(k_ref.dtype)
     tt = jnp.arange(BC, dtype=jnp.int32)
     last = ctx - 1  # the current token's position: with `write`, its key/value come from kn/vn, not from the pool
-    if rope:
-        # Rotate-half RoPE as jphoton/models/layers.py apply_rope computes it: cos and sin rounded to x's dtype, each
-        # product rounded, then the sum. The partner of column d is d +- hd/2, loaded as a second (gathered) tile.
-        half = hd // 2
-        partner = jnp.where(dd < half, dd + half, jnp.where(dmask, dd - half, dd))
-        sign = jnp.where(dd < half, -1.0, 1.0)
-        freq = plgpu.load(inv_ref.at[jax.lax.rem(jnp.where(dmask, dd, 0), half)], mask=dmask, other=0.0)
-        angle = jnp.maximum(last, 0).astype(jnp.float32) * freq
-        cos, sin = jnp.cos(angle), jnp.sin(angle)
-
-        def rotate(x, x_partner):
-            c, sn = cos.astype(x.dtype).astype(jnp.float32), sin.astype(x.dtype).astype(jnp.float32)
-            a = (x.astype(jnp.float32) * c).astype(x.dtype).astype(jnp.float32)
-            b = (x_partner.astype(jnp.float32) * sn).astype(x.dtype).astype(jnp.float32)
-            return (a + sign * b).astype(x.dtype)
-
-        q_partner = plgpu.load(q_ref.at[r, (h * G + gg)[:, None], partner[None, :]], mask=qmask, other=0.0)
-        q = rotate(q, q_partner)
-    q = q.astype(k_ref.dtype)
     if write:
-        k_cur = plgpu.load(kn_ref.at[r, k_off + h, pl.ds(0, HD)], mask=dmask, other=0.0)
-        if rope:
-            k_cur = rotate(k_cur, plgpu.load(kn_ref.at[r, k_off + h, partner], mask=dmask, other=0.0))
-        k_cur = k_cur.astype(k_ref.dtype)
+        k_cur = plgpu.load(kn_ref.at[r, k_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(k_ref.dtype)
         v_cur = plgpu.load(vn_ref.at[r, v_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(v_ref.dtype)
     dims_qk = (((1,), (1,)), ((), ()))
     dims_pv = (((1,), (0,)), ((), ()))
@@ -274,8 +250,7 @@ def _layer_array(layer) -> jax.Array:
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
                            sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
-                           rope_inv_freq: jax.Array | None = None, config: PagedDecodeConfig | None = None,
-                           interpret: bool | None = None):
+                           config: PagedDecodeConfig | None = None, interpret: bool | None = None):
     """Decode attention of one query token per row over the paged KV cache.
 
     q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
@@ -290,10 +265,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     each at B=2 on the H100, RESULTS.md). Needs ctx_len <= max_pages * page_size (the engine's rows always are).
     new_kv = "packed": q is [R, Hq + 2 * Hkv, hd] = [query heads | key heads | value heads] of the current token, read
     in place by head offset: the engine builds it in one XLA fusion with RoPE, where separate q, k, v operands would
-    each be materialised by a kernel of its own.
-    rope_inv_freq [hd / 2] (float32; with new_kv="packed"): q and k arrive without RoPE and the kernel rotates them
-    at position ctx_len - 1 (rotate-half, as jphoton/models/layers.py apply_rope), so that q|k|v can be the QKV
-    matmul's output as it lies ([R, (Hq + 2 Hkv) * hd] reshaped): no RoPE or packing kernel before this one."""
+    each be materialised by a kernel of its own."""
     packed = isinstance(new_kv, str)
     if packed and new_kv != "packed":
         raise ValueError(f"new_kv must be None, (k, v) or 'packed', got {new_kv!r}")
@@ -304,10 +276,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
             raise ValueError(f"packed q must be [R, Hq + 2 * Hkv, hd] with Hkv = {Hkv}, got {q.shape}")
         q = jax.ShapeDtypeStruct((q.shape[0], q.shape[1] - 2 * Hkv, q.shape[2]), q.dtype)  # shapes only, from here
     check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
-    rope = rope_inv_freq is not None
-    if rope and (not packed or q.shape[2] % 2 or rope_inv_freq.shape != (q.shape[2] // 2,)):
-        raise ValueError(f"rope_inv_freq needs new_kv='packed', an even head_dim and shape [head_dim / 2]; got "
-                         f"new_kv={new_kv!r}, head_dim {q.shape[2]}, rope_inv_freq {getattr(rope_inv_freq, 'shape', None)}")
     write = new_kv is not None
     if write and not packed:
         k_new, v_new = new_kv
@@ -326,15 +294,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     what = f"R={R} splits={S}"
     if write:
         what += ", current token's KV written in the kernel" + (" (packed q|k|v)" if packed else "")
-    if rope:
-        what += ", RoPE in the kernel"
     _log_path(interp, what)
     f32 = k_pool.dtype == jnp.float32
     kernel = functools.partial(
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
-        v_off=Hq + Hkv if packed else 0, rope=rope)
+        v_off=Hq + Hkv if packed else 0)
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
@@ -342,8 +308,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32)]
     args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), qkv, k_pool, v_pool]
-    if rope:
-        args.append(rope_inv_freq.astype(jnp.float32))
     aliases = {}
     if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}
@@ -358,7 +322,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
             input_output_aliases=aliases,
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}{'_R' if rope else ''}",
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}",
         )(*args)
     if write:
         *out, k_pool, v_pool = out

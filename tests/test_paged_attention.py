@@ -146,11 +146,6 @@ def test_kernel_lowers_to_triton(splits):
     fn = jax.jit(lambda *a: paged_decode_attention(*a[:6], page_size=16, new_kv=a[6:],
                                                    config=PagedDecodeConfig(splits=splits), interpret=False))
     assert "triton" in fn.trace(*args, new, new).lower(lowering_platforms=("cuda",)).as_text()
-    qkv = jax.ShapeDtypeStruct((4, 32 + 16, 64), dt)  # packed q|k|v, RoPE in the kernel
-    fn = jax.jit(lambda qkv, *a: paged_decode_attention(qkv, *a, page_size=16, new_kv="packed",
-                                                        rope_inv_freq=jnp.ones(32, jnp.float32),
-                                                        config=PagedDecodeConfig(splits=splits), interpret=False))
-    assert "triton" in fn.trace(qkv, *args[1:]).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_default_config():
@@ -201,39 +196,3 @@ def test_engine_pallas_decode_matches_default_path(family):
     shapes = set(llm.engine.runner._layouts)
     assert any(s.decode_rows and not s.prefill_rows and s.ctx_pages == 0 for s in shapes)
     assert all(s.ctx_pages for s in shapes if s.prefill_rows)
-
-
-@pytest.mark.parametrize("name", ["g1_f32_s1", "g4_bf16_s3", "odd_h6kv2_hd24_page3"])
-def test_rope_in_the_kernel_matches_rope_before_it(name):
-    """rope_inv_freq: q and the current key arrive without RoPE and the kernel rotates them at ctx_len - 1; output and
-    pools must equal the kernel fed q and k rotated by the model's apply_rope (hd 24: a padded head, HD 32)."""
-    from jphoton.models.layers import apply_rope
-
-    Hq, Hkv, hd, ps, P, dtype, cfg, window = CASES[name]
-    lengths = [0, 1, ps + 2, P * ps, 7]
-    R = len(lengths)
-    q, k, v, table, ctx = make_inputs(7 + len(name), R=R, Hq=Hq, Hkv=Hkv, hd=hd, page_size=ps, P=P, dtype=dtype,
-                                      lengths=lengths)
-    rng = np.random.default_rng()
-    k_new = jnp.asarray(rng.standard_normal((R, Hkv, hd)), dtype)
-    v_new = jnp.asarray(rng.standard_normal((R, Hkv, hd)), dtype)
-    inv_freq = jnp.asarray(1.0 / (1000.0 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
-    pos = jnp.maximum(ctx - 1, 0)[:, None]
-    roped = jnp.concatenate([apply_rope(q[:, None], pos, inv_freq)[:, 0], apply_rope(k_new[:, None], pos, inv_freq)[:, 0],
-                             v_new], axis=1)
-    raw = jnp.concatenate([q, k_new, v_new], axis=1)
-
-    def run(qkv, rope):
-        return jax.jit(lambda qkv, k, v, t, c: paged_decode_attention(
-            qkv, k, v, 1, t, c, page_size=ps, sliding_window=window, new_kv="packed", rope_inv_freq=rope,
-            config=cfg, interpret=True))(qkv, k, v, table, ctx)
-
-    want, (k_want, v_want) = run(roped, None)
-    out, (k_out, v_out) = run(raw, inv_freq)
-    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5  # in-kernel cos/sin may differ from XLA's by an ulp
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(k_out, np.float32), np.asarray(k_want, np.float32), atol=tol, rtol=tol)
-    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_want))
-    assert np.abs(np.asarray(raw[:, :Hq], np.float32) - np.asarray(roped[:, :Hq], np.float32)).max() > 0.1  # RoPE did something
-    with pytest.raises(ValueError, match="rope_inv_freq"):
-        paged_decode_attention(q, k, v, 1, table, ctx, page_size=ps, rope_inv_freq=inv_freq, interpret=True)

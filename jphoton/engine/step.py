@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
-from jphoton.models.layers import apply_rope
 from jphoton.sampling import sample, sample_plain, top_logprobs
 
 
@@ -127,14 +126,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    def attend(q, k, v, kv, layer, rope_inv_freq=None):
-        """rope_inv_freq: q and k arrive without RoPE (attend.takes_rope); the kernel rotates the decode rows' (the
-        QKV matmul's output then reaches it as it lies: no RoPE or packing kernel), XLA the others'."""
-        if rope_inv_freq is not None:
-            n = Bd if kernel_writes else 0
-            if n < shape.tokens:
-                q = jnp.concatenate([q[:n], apply_rope(q[n:], positions[n:], rope_inv_freq)])
-                k = jnp.concatenate([k[:n], apply_rope(k[n:], positions[n:], rope_inv_freq)])
+    def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
         first = Bd if kernel_writes else 0  # tokens from here on have their KV written by a scatter
         if shape.tokens > first:
@@ -147,8 +139,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
             out, (k_pool, v_pool) = paged_decode_attention(
                 qkv, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                sliding_window=static.sliding_window, new_kv="packed",
-                rope_inv_freq=rope_inv_freq)
+                sliding_window=static.sliding_window, new_kv="packed")
             parts.append(out)
         elif Bd:
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])
@@ -158,7 +149,6 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 
-    attend.takes_rope = True
     hidden, kv = forward(params, tokens, positions, kv, attend)
     last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
                             Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])

@@ -24,9 +24,7 @@ per kind of layer, indexed by the layer's rank among its kind (forward in models
     dense_mlp:   w_gate, w_up [Ld, D, F]   w_down [Ld, F, D]        (only when some layers are dense)
 
 Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
-writes this step's keys/values into layer `layer` of the cache and attends over it. An attend whose `takes_rope`
-attribute is true is called with q and k before RoPE and `rope_inv_freq=` (the engine's Pallas decode kernel rotates
-them itself, saving the RoPE kernel). `dense_attention` below is the
+writes this step's keys/values into layer `layer` of the cache and attends over it. `dense_attention` below is the
 reference; the engine's paged attention lives in jphoton/engine/attention.py.
 """
 
@@ -129,9 +127,8 @@ def _split_last(x: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
 
 
 def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-                           proj: Callable[[jax.Array, str], jax.Array] | None = None, rope: bool = True):
-    """q, k, v with RoPE (unless `rope` is False) and qk-norm applied. proj(h, key) is the weight matmul (default
-    h @ lp[key])."""
+                           proj: Callable[[jax.Array, str], jax.Array] | None = None):
+    """q, k, v with RoPE (and qk-norm) applied. proj(h, key) is the weight matmul (default h @ lp[key])."""
     lead = h.shape[:-1]
     if proj is None:
         def proj(h, key):
@@ -151,8 +148,6 @@ def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    if not rope:
-        return q, k, v
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -190,8 +185,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     next_norm = jnp.concatenate([stacked["attn_norm"][1:], params["final_norm"][None]])
     x = params["embed"][tokens]
     h = rms_norm(x, stacked["attn_norm"][0], eps)
-    # An attend with `takes_rope` gets q and k unrotated plus the inverse frequencies (a kernel can rotate them itself).
-    attend_ropes = getattr(attend, "takes_rope", False)
 
     def layer(carry, xs):
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
@@ -202,8 +195,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             the GEMM) and the stack + index (what a kernel should read: a slice fed to a custom call is copied)."""
             return mm(v, lp[key], stacked[key], index)
 
-        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj, rope=not attend_ropes)
-        o, kv = attend(q, k, v, kv, index, rope_inv_freq=inv_freq) if attend_ropes else attend(q, k, v, kv, index)
+        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
+        o, kv = attend(q, k, v, kv, index)
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
                            stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:
