@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import device_info, read_bandwidth, write_json  # noqa: E402
-from jphoton.models.matmul import two_row_dot  # noqa: E402
+from jphoton.models.matmul import swiglu_of, two_row_dot  # noqa: E402
 from pallas_kernels import gemv as gv  # noqa: E402
 
 # name: (K, N, unfused N parts, transposed weight)
@@ -51,11 +51,13 @@ SHAPES = {
     "qkv": (2048, 3072, (2048, 512, 512), False),
     "o": (2048, 2048, None, False),
     "gate_up": (2048, 16384, (8192, 8192), False),
+    "gate_up_glu": (2048, 16384, None, False),  # [gate | up] with SwiGLU: XLA dot + activation vs the GEMV's epilogue
     "down": (8192, 2048, None, False),
     "lm_head": (2048, 128256, None, True),
 }
 SMOKE_SHAPES = {
     "qkv": (64, 96, (64, 16, 16), False),
+    "gate_up_glu": (64, 160, None, False),
     "down": (160, 48, None, False),
     "lm_head": (64, 300, None, True),
 }
@@ -75,6 +77,22 @@ def sweep_configs(m: int, k: int, n: int, limit: int) -> list[gv.GemvConfig]:
              r(base, num_stages=2), r(base, unroll=True), r(base, block_n=max(16, base.block_n // 2), split=base.split * 2)]
     if m <= 8:
         cands.append(r(base, mode="dot" if base.mode == "fma" else "fma"))
+    out = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out[:limit]
+
+
+def glu_sweep_configs(m: int, k: int, n: int, limit: int) -> list[gv.GemvConfig]:
+    """The SwiGLU-epilogue GEMV has no split-K (the activation needs whole sums): its knobs are the tile shape, warps
+    and pipeline depth, one at a time around the default, then the tile shapes with 8 warps."""
+    base = dataclasses.replace(gv.default_config(m, k, n), split=1)
+    r = dataclasses.replace
+    cands = [base, r(base, block_n=32), r(base, block_n=128), r(base, block_k=64), r(base, block_k=256),
+             r(base, num_warps=8), r(base, num_stages=4), r(base, num_stages=2), r(base, block_n=32, num_stages=4),
+             r(base, block_n=32, block_k=256), r(base, block_n=128, num_warps=8), r(base, block_k=256, num_warps=8),
+             r(base, block_n=16), r(base, unroll=True)]
     out = []
     for c in cands:
         if c not in out:
@@ -106,12 +124,14 @@ def _rel_err(out, ref) -> float:
     return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-def _paths(x, w, ws, wparts, configs, *, transposed, out_dtype, head, interpret) -> dict:
-    """path name -> (jitted f, args): each f runs the matmul once per weight matrix (16 layers, or the LM head once)."""
+def _paths(x, w, ws, wparts, configs, *, transposed, out_dtype, head, interpret, glu=False) -> dict:
+    """path name -> (jitted f, args): each f runs the matmul once per weight matrix (16 layers, or the LM head once).
+    glu: the weight is [gate | up] and every path ends in SwiGLU (XLA: the dot, then the activation kernel)."""
 
     def xla_dot(x, wi):
         wi = wi.T if transposed else wi
-        return jnp.dot(x, wi, preferred_element_type=jnp.float32).astype(out_dtype)
+        out = jnp.dot(x, wi, preferred_element_type=jnp.float32).astype(out_dtype)
+        return swiglu_of(out) if glu else out
 
     paths = {"xla": (jax.jit(lambda x, ws: [xla_dot(x, wi) for wi in ws]), (x, ws))}
     if x.shape[0] == 1 and not head:  # the engine's "xla" kind: a one-token step as two rows (models/matmul.py)
@@ -120,8 +140,8 @@ def _paths(x, w, ws, wparts, configs, *, transposed, out_dtype, head, interpret)
         paths["xla_unfused"] = (jax.jit(lambda x, wp: [[xla_dot(x, p) for p in ps] for ps in wp]), (x, wparts))
     for c in configs:
         def pallas(x, w, c=c):
-            return [gv.gemv(x, w, i, transposed=transposed, out_dtype=out_dtype, config=c, interpret=interpret)
-                    for i in range(w.shape[0])]
+            return [gv.gemv(x, w, i, transposed=transposed, out_dtype=out_dtype, glu=glu, config=c,
+                            interpret=interpret) for i in range(w.shape[0])]
         paths[f"pallas {c.short()}"] = (jax.jit(pallas), (x, w))
     if head:
         c0 = configs[0]
@@ -139,7 +159,7 @@ def run_kernels(args, bw: float) -> list[dict]:
     t_start = time.perf_counter()
     for name in args.shapes or list(shapes):
         K, N, parts, transposed = shapes[name]
-        head = name == "lm_head"
+        head, glu = name == "lm_head", name == "gate_up_glu"
         calls = L = 1 if head else LAYERS
         key, kw, kx = jax.random.split(key, 3)
         w = _normal(kw, (L, N, K) if transposed else (L, K, N))  # stacked: the Pallas path indexes it
@@ -152,15 +172,16 @@ def run_kernels(args, bw: float) -> list[dict]:
         out_dtype = jnp.float32 if head else jnp.bfloat16
         for m in args.m:
             x = _normal(jax.random.fold_in(kx, m), (m, K), jnp.bfloat16)
-            ref = gv.gemv_reference(x, w, 0, transposed=transposed, out_dtype=jnp.float32)
-            configs = [gv.default_config(m, K, N)]
+            ref = gv.gemv_reference(x, w, 0, transposed=transposed, out_dtype=jnp.float32, glu=glu)
+            configs = [gv.default_config(m, K, N // 2 if glu else N)]
             if args.sweep and m in args.sweep_m:
                 if time.perf_counter() - t_start < args.budget_s:
-                    configs = sweep_configs(m, K, N, args.max_configs)
+                    configs = (glu_sweep_configs(m, K, N // 2, args.max_configs) if glu
+                               else sweep_configs(m, K, N, args.max_configs))
                 else:
                     print(f"{name} M={m}: past --budget-s, default config only", flush=True)
             paths = _paths(x, w, ws, wparts, configs, transposed=transposed, out_dtype=out_dtype, head=head,
-                           interpret=interpret)
+                           interpret=interpret, glu=glu)
             for path, (f, fargs) in paths.items():
                 row = {"shape": name, "K": K, "N": N, "M": m, "path": path}
                 try:
