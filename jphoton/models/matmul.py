@@ -9,7 +9,8 @@ LM head (`head`). Kinds:
                XLA otherwise (`PallasMatmul`).
   "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue,
                and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
-               into the residual and normalises (pallas_kernels/add_rms_norm.py): 3 kernels instead of 7 per layer
+               into the residual and normalises (pallas_kernels/add_rms_norm.py): from attention to the next QKV, 7
+               kernels instead of 8 per layer, or 5 from 17 tokens on
                (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
                faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:54-21:31).
 
