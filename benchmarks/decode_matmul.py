@@ -245,11 +245,6 @@ def run_e2e(args) -> list[dict]:
             from jphoton.models.matmul import XlaMatmul
 
             matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-        elif matmul == "fused-dotres":  # "fused" + the add + RMSNorm kernel after XLA's O / down dots below 17 rows
-            from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
-
-            matmul = XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                               dot_residual_kernel=True)
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -296,8 +291,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
-                         "xla-glu (XlaMatmul(glu_gemv=True)), xla-residual (XlaMatmul(residual_gemv=True)) or "
-                         "fused-dotres (\"fused\" + the add + RMSNorm kernel after XLA dots), LAYOUT "
+                         "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
@@ -312,7 +306,7 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "fused-dotres")
+        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
         if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

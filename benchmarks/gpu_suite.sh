@@ -106,10 +106,6 @@ for section in "$@"; do
         --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
       run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
-    dot-residual-ab)  # the engine's 1B step at B = 2, 8, 16, 32: "fused" vs "fused" + the add + RMSNorm kernel after
-      # XLA's O / down dots where "fused" leaves XLA's add and norm kernels (below 17 rows)
-      run dot-residual-ab python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 32 \
-        --variants fused-fused fused-dotres-fused --out "$OUT/dot-residual-ab.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,
       # 16 layers' weights chained, against XLA's dot + activation
       run glu-sweep python3 benchmarks/decode_matmul.py --shapes gate_up_glu --m 2 32 --sweep-m 2 32 --max-configs 14 \

@@ -131,17 +131,14 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 dot_residual_kernel: bool = False, interpret: bool | None = None):
+                 interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
-        self.dot_residual_kernel = dot_residual_kernel
         self.interpret = interpret
         gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
                                        (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)",
                                         residual_gemv)) if on]
-        if dot_residual_kernel:
-            gemvs.append("the add + RMSNorm kernel after the XLA dots of O and down otherwise")
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
@@ -159,22 +156,15 @@ class XlaMatmul(PlainMatmul):
         return super().glu(x, w, stacked, layer)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
-        rows = _rows(y)
-        if bias is not None or rows > PALLAS_MAX_ROWS:
-            return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
-        if self.residual_gemv and rows >= self.residual_min_rows:
+        if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
+            from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
 
             parts = gemv(y.reshape(-1, y.shape[-1]), stacked, layer, partials=True, interpret=self.interpret)
-        elif self.dot_residual_kernel:  # the XLA dot's output as the kernel's one "partial"
-            parts = two_row_dot(y, w).reshape(1, -1, w.shape[-1])
-        else:
-            return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
-        from pallas_kernels.add_rms_norm import add_rms_norm
-
-        h2, normed = add_rms_norm(h.reshape(-1, h.shape[-1]), parts, norm_stack, layer, eps=eps,
-                                  interpret=self.interpret)
-        return h2.reshape(h.shape), normed.reshape(h.shape)
+            h2, normed = add_rms_norm(h.reshape(-1, h.shape[-1]), parts, norm_stack, layer, eps=eps,
+                                      interpret=self.interpret)
+            return h2.reshape(h.shape), normed.reshape(h.shape)
+        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
 
 
 class PallasMatmul(PlainMatmul):
