@@ -245,10 +245,6 @@ def run_e2e(args) -> list[dict]:
             from jphoton.models.matmul import XlaMatmul
 
             matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-        elif matmul.startswith("xla-residual-w"):  # the add + RMSNorm kernel with this many warps
-            from jphoton.models.matmul import XlaMatmul
-
-            matmul = XlaMatmul(residual_gemv=True, residual_warps=int(matmul.rsplit("w", 1)[1]))
         try:
             loaded = load_model(spec, None)
             model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -311,8 +307,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        if (v.rsplit("-", 1)[0] not in matmuls and not v.startswith("xla-residual-w")) or not v.endswith(
-                ("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

@@ -106,10 +106,6 @@ for section in "$@"; do
         --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
       run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
-    residual-warps)  # the engine's 1B step at B = 2 and 32 with the add + RMSNorm kernel at every row count: 2, 4, 8
-      # warps, against "xla"
-      run residual-warps python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants xla-fused \
-        xla-residual-w2-fused xla-residual-w4-fused xla-residual-w8-fused --out "$OUT/residual-warps.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,
       # 16 layers' weights chained, against XLA's dot + activation
       run glu-sweep python3 benchmarks/decode_matmul.py --shapes gate_up_glu --m 2 32 --sweep-m 2 32 --max-configs 14 \

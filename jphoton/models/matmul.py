@@ -131,11 +131,10 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 residual_warps: int = 8, interpret: bool | None = None):
+                 interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
-        self.residual_warps = residual_warps
         self.interpret = interpret
         gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
                                        (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)",
@@ -163,7 +162,7 @@ class XlaMatmul(PlainMatmul):
 
             parts = gemv(y.reshape(-1, y.shape[-1]), stacked, layer, partials=True, interpret=self.interpret)
             h2, normed = add_rms_norm(h.reshape(-1, h.shape[-1]), parts, norm_stack, layer, eps=eps,
-                                      num_warps=self.residual_warps, interpret=self.interpret)
+                                      interpret=self.interpret)
             return h2.reshape(h.shape), normed.reshape(h.shape)
         return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
 
