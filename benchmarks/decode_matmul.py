@@ -29,12 +29,14 @@ jphoton/models/matmul.py GPU_DEFAULT to the kind that wins the e2e step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
 import sys
 import time
 import traceback
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -231,46 +233,69 @@ def _print_best(rows: list[dict]) -> None:
 
 
 def run_e2e(args) -> list[dict]:
+    spec = "random:llama3.2-1b:layers=2:vocab=512" if args.smoke else "random:llama3.2-1b"
+    rows = []
+    runs = [(v, a) for v in args.variants for a in (args.attn_configs or [None])]
+    for variant, attn in runs:
+        with _attention_config(attn):
+            rows += _e2e_variant(args, spec, f"{variant} attn {attn}" if attn else variant)
+        gc.collect()
+    return rows
+
+
+@contextlib.contextmanager
+def _attention_config(spec: str | None):
+    """spec "BLOCKxSPLITS[xSTAGES]": the Pallas decode attention's config for every call traced inside (replaces its
+    default_config; benchmark-only, to compare configs in the real step), None: the default."""
+    if spec is None:
+        yield
+        return
+    from pallas_kernels import paged_decode_attention as pda
+
+    block, splits, *stages = (int(v) for v in spec.split("x"))
+    cfg = pda.PagedDecodeConfig(block_tokens=block, splits=splits, num_stages=stages[0] if stages else 2)
+    with mock.patch.object(pda, "default_config", lambda *a: cfg):
+        yield
+
+
+def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
     from benchmarks.pipeline import device_step_ms
     from jphoton import LLM
     from jphoton.engine.step import StepShape
     from jphoton.models.protocol import llama_family
     from jphoton.weights import load_model
 
-    spec = "random:llama3.2-1b:layers=2:vocab=512" if args.smoke else "random:llama3.2-1b"
     rows = []
-    for variant in args.variants:
-        matmul, layout = variant.rsplit("-", 1)
-        if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
-            from jphoton.models.matmul import XlaMatmul
+    matmul, layout = variant.split(" ")[0].rsplit("-", 1)
+    if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
+        from jphoton.models.matmul import XlaMatmul
 
-            matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-        try:
-            loaded = load_model(spec, None)
-            model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
-                                 fuse=layout == "fused")
-            del loaded
-            B = max(args.batch)
-            # the engine's default attention (every variant the same) over --ctx tokens per row, so that the step
-            # differs between variants only in its matmuls
-            pages = -(-args.ctx // 16)
-            llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
-                      prefill_buckets=((1, 32),), context_buckets=(pages,), warmup=False,
-                      num_kv_pages=B * pages + 8, progress=False)
-            bucket = 0 if llm.engine.runner.static.pallas_decode else pages
-            for b in args.batch:
-                llm.engine.runner.layout(StepShape(b, 0, 0, bucket))
-                t0 = time.perf_counter()
-                ms = device_step_ms(llm, b, reps=args.step_reps, context=args.ctx)
-                row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
-                rows.append(row)
-                print(f"e2e {variant:<16} B={b:<3} {ms:7.3f} ms/step", flush=True)
-            del llm, model
-        except Exception as e:
-            rows.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:300]})
-            print(f"e2e {variant} FAILED: {e}", flush=True)
-            traceback.print_exc()
-        gc.collect()
+        matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+    try:
+        loaded = load_model(spec, None)
+        model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
+                             fuse=layout == "fused")
+        del loaded
+        B = max(args.batch)
+        # the engine's default attention (or an --attn-configs one) over --ctx tokens per row, so that the step
+        # differs between variants only in its matmuls (or attention config)
+        pages = -(-args.ctx // 16)
+        llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
+                  prefill_buckets=((1, 32),), context_buckets=(pages,), warmup=False,
+                  num_kv_pages=B * pages + 8, progress=False)
+        bucket = 0 if llm.engine.runner.static.pallas_decode else pages
+        for b in args.batch:
+            llm.engine.runner.layout(StepShape(b, 0, 0, bucket))
+            t0 = time.perf_counter()
+            ms = device_step_ms(llm, b, reps=args.step_reps, context=args.ctx)
+            row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
+            rows.append(row)
+            print(f"e2e {variant:<16} B={b:<3} {ms:7.3f} ms/step", flush=True)
+        del llm, model
+    except Exception as e:
+        rows.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(f"e2e {variant} FAILED: {e}", flush=True)
+        traceback.print_exc()
     return rows
 
 
@@ -293,6 +318,9 @@ def main() -> None:
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
                          "unfused|fused")
+    ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
+                    help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
+                         "[x stages]) instead of the default")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()

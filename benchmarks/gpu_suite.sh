@@ -106,6 +106,10 @@ for section in "$@"; do
         --variants xla-fused fused-fused --out "$OUT/decode-matmul-fused-quick.json"
       run kernel-profile-fused python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 32:0 \
         --llm-args "matmul='fused'" --out "$OUT/kernel-profile-fused.json" ;;
+    attention-in-step)  # Pallas decode attention configs (block x splits [x stages]) inside the default 1B step at
+      # B = 2 and 32, 512 tokens of context (outside the step, ~5 us calls time too noisily: RESULTS.md)
+      run attention-in-step python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants fused-fused \
+        --attn-configs 64x4 64x2 64x8 32x8 32x16 64x4x3 128x2 --out "$OUT/attention-in-step.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,
       # 16 layers' weights chained, against XLA's dot + activation
       run glu-sweep python3 benchmarks/decode_matmul.py --shapes gate_up_glu --m 2 32 --sweep-m 2 32 --max-configs 14 \
