@@ -41,8 +41,9 @@ gather with an array of pointers is ordinary Triton, and its pipeliner (`num_sta
 in flight behind the dots. Interpret mode cannot mix array indices with slices in one load, so gathers use full array
 indices (scalars and index arrays only) and everything else scalar + `pl.ds`.
 
-`default_config` (splits, block size, warps) is a first guess until benchmarks/attention_decode.py has measured it on
-the H100: about 4 programs per SM of a 132-SM GPU when the batch is small, at least two blocks per split.
+`default_config`: about 4 programs per SM of a 132-SM GPU when the batch is small, at least two blocks per split. The
+split count was measured inside the engine step (its docstring); block size and warps are a first guess (the
+out-of-step sweeps in benchmarks/attention_decode.py were too noisy at these ~5 us calls to move them).
 
 `paged_decode_attention_reference` is the float32 oracle in plain jnp (a gather of max_pages pages per row).
 """
@@ -88,12 +89,17 @@ class PagedDecodeConfig:
 
 
 def default_config(rows: int, num_kv_heads: int, max_tokens: int) -> PagedDecodeConfig:
-    """First guess until measured on the H100: enough (row, head, split) programs for ~4 per SM, each split at least
-    two blocks of the longest possible context (max_tokens, static), splits a power of two <= 64."""
+    """Blocks of 64 tokens; splits: the largest power of two that keeps (row, head, split) programs at about 4 per SM
+    or fewer, each split at least two blocks of the longest possible context (max_tokens, static), at most 64.
+
+    Measured inside the 1B engine step on the H100 (RESULTS.md, 2026-11-23 22:16-22:18), the best split count of those
+    tried was this one at B = 2 / 8k context (32 against 64 / 16 / 8), B = 8 / 8k (8 against 64 / 32 / 16), B = 32 /
+    512 (2 against 8 / 4) and B = 2 / 512 (4, capped by the context, against 8 / 2); rounding the split count up (~8
+    programs per SM, the first guess) cost 2.2-2.6% per step in the three cases where it differs."""
     block = min(64, max(16, _pow2(max_tokens)))
     blocks = -(-max_tokens // block)
     want = -(-4 * NUM_SMS // max(rows * num_kv_heads, 1))
-    splits = max(1, min(_pow2(want), 64, _pow2_floor(max(blocks // 2, 1))))
+    splits = max(1, min(_pow2_floor(want), 64, _pow2_floor(max(blocks // 2, 1))))
     return PagedDecodeConfig(block_tokens=block, splits=splits)
 
 
