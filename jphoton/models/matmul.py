@@ -82,6 +82,14 @@ def swiglu_of(gate_up: jax.Array) -> jax.Array:
     return silu_mul(*jnp.split(gate_up, 2, axis=-1))
 
 
+def _gemv_rows(x: jax.Array, stacked: jax.Array, layer, **kwargs) -> jax.Array:
+    """The Pallas GEMV (pallas_kernels/gemv.py) on x [..., K]: its rows flattened in, the leading dims restored."""
+    from pallas_kernels.gemv import gemv
+
+    out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, **kwargs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def two_row_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N]; a single row goes through the dot as two (a zero row added and dropped). The barrier keeps
     XLA from sinking the slice into the dot, which would make it a vector dot again."""
@@ -149,10 +157,7 @@ class XlaMatmul(PlainMatmul):
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
-            from pallas_kernels.gemv import gemv
-
-            out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, glu=True, interpret=self.interpret)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+            return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
         return super().glu(x, w, stacked, layer)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
@@ -185,12 +190,9 @@ class PallasMatmul(PlainMatmul):
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
         """x [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer`."""
-        from pallas_kernels.gemv import gemv
-
         if _rows(x) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
             return two_row_dot(x, w)
-        out = gemv(x.reshape(-1, x.shape[-1]), stacked, layer, interpret=self.interpret)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return _gemv_rows(x, stacked, layer, interpret=self.interpret)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""

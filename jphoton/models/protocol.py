@@ -60,5 +60,5 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
         return llama.lm_head(params, hidden, mm)
 
     # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
-    min_rows = 1 if config.num_experts or mm is None else mm.min_rows
+    min_rows = 1 if config.num_experts else mm.min_rows
     return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows)
