@@ -267,10 +267,16 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
-    if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
-        from jphoton.models.matmul import XlaMatmul
+    matmul, _, warm_mib = matmul.partition("+warm")
+    if matmul in ("xla-glu", "xla-residual") or warm_mib:
+        from jphoton.models import matmul as mm
 
-        matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+        if matmul == "fused":
+            matmul = mm.XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=mm.FUSED_RESIDUAL_MIN_ROWS)
+        else:  # "fused" in parts (the residual kernel at any row count)
+            matmul = mm.XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+        if warm_mib:
+            matmul.warm_l2 = (("wo", None), ("w_gate_up", int(warm_mib) << 20))
     try:
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -317,7 +323,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
-                         "unfused|fused")
+                         "unfused|fused; MATMUL+warmN (fused, xla-glu or xla-residual): the decode attention kernel "
+                         "warms the L2 with the layer's O weight and N MiB of gate+up")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
                          "[x stages]) instead of the default")
@@ -335,7 +342,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0].partition("+warm")[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)
