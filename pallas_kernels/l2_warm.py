@@ -37,14 +37,19 @@ def as_rows(w: jax.Array, limit_bytes: int | None) -> tuple[jax.Array, int] | No
     return (w.reshape(w.shape[0], per_layer // ROW, ROW), rows) if rows else None
 
 
+def _share(rows: int, parts: int) -> int:
+    """Rows per part: an equal share, rounded up to whole tiles."""
+    per = -(-rows // parts)
+    return -(-per // TILE) * TILE
+
+
 def warm(refs, limits: tuple[int, ...], layer, part, parts: int, out_ref) -> None:
     """Inside a Triton-backend kernel: program `part` of `parts` reads its share of rows [0, limit) of each ref
     [L, rows, ROW] at `layer`, and stores a [ROW] digest of them to out_ref[part]."""
     digest = jnp.full((TILE, ROW), -jnp.inf, jnp.float32)
     cols = jnp.arange(ROW, dtype=jnp.int32)
-    for ref, limit in zip(refs, limits):
-        per = -(-limit // parts)
-        per = -(-per // TILE) * TILE
+    for ref, limit in zip(refs, limits, strict=True):
+        per = _share(limit, parts)
         lo = part * per
 
         def body(i, acc, ref=ref, limit=limit, lo=lo):
@@ -63,7 +68,7 @@ def reference_digest(arrays: list[tuple[jax.Array, int]], layer, parts: int) -> 
     """What `warm` stores, in jnp: per part, the max over its shares (tests)."""
     out = jnp.full((parts, ROW), -jnp.inf, jnp.float32)
     for w, limit in arrays:
-        per = -(-(-(-limit // parts)) // TILE) * TILE
+        per = _share(limit, parts)
         rows = w[layer].astype(jnp.float32)
         for p in range(parts):
             lo, hi = p * per, min((p + 1) * per, limit)

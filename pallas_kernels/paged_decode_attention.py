@@ -339,7 +339,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         warm_kib = sum(n * l2_warm.ROW * w.dtype.itemsize for w, n in views) >> 10
         what += f", L2 warmed with {warm_kib} KiB by {warm_rows * per_row} programs"
     kernel = functools.partial(
-        _kernel, R=R, warm_limits=tuple(n for _, n in views), warm_parts=warm_rows * Hkv * S, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
+        _kernel, R=R, warm_limits=tuple(n for _, n in views), warm_parts=warm_rows * Hkv * S,
+        G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
         v_off=Hq + Hkv if packed else 0)

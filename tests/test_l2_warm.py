@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from test_paged_attention import make_inputs
 
 from pallas_kernels import l2_warm
 from pallas_kernels.paged_decode_attention import PagedDecodeConfig, paged_decode_attention
-
-from test_paged_attention import make_inputs
 
 
 @pytest.mark.parametrize("parts", [1, 3, 5])
@@ -61,7 +60,7 @@ def test_attention_that_warms_matches_attention_that_does_not():
 
     plain = run(packed, k, v, table, ctx, weights, False)
     warmed = run(packed, k, v, table, ctx, weights, True)
-    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(warmed)):
+    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(warmed), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
