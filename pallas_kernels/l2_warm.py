@@ -22,7 +22,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 ROW = 1024  # elements per row of the [L, rows, ROW] view (2 KiB of bf16)
-TILE = 8  # rows per load: 16 KiB of bf16, a few in flight per program with the pipeliner's stages
+TILE = 4  # rows per load: 8 KiB of bf16
+UNROLL = 4  # loads issued back to back per loop step, before any is used: 32 KiB in flight per program
+NUM_SMS = 132  # H100 SXM
+PER_SM = 1  # warm programs: enough to make about this many programs per SM with the host kernel's own
+
+
+def default_programs(busy: int) -> int:
+    """How many warm programs to add to a kernel that runs `busy` programs of its own."""
+    return max(PER_SM * NUM_SMS - busy, NUM_SMS // 4)
 
 
 def as_rows(w: jax.Array, limit_bytes: int | None) -> tuple[jax.Array, int] | None:
@@ -40,7 +48,7 @@ def as_rows(w: jax.Array, limit_bytes: int | None) -> tuple[jax.Array, int] | No
 def _share(rows: int, parts: int) -> int:
     """Rows per part: an equal share, rounded up to whole tiles."""
     per = -(-rows // parts)
-    return -(-per // TILE) * TILE
+    return -(-per // (TILE * UNROLL)) * TILE * UNROLL
 
 
 def warm(refs, limits: tuple[int, ...], layer, part, parts: int, out_ref) -> None:
@@ -53,14 +61,18 @@ def warm(refs, limits: tuple[int, ...], layer, part, parts: int, out_ref) -> Non
         lo = part * per
 
         def body(i, acc, ref=ref, limit=limit, lo=lo):
-            r0 = lo + i * TILE
-            rows = r0 + jnp.arange(TILE, dtype=jnp.int32)
-            mask = (rows < limit)[:, None] & (cols < ROW)[None, :]
-            tile = plgpu.load(ref.at[layer, pl.ds(r0, TILE), pl.ds(0, ROW)], mask=mask, other=-jnp.inf,
-                              eviction_policy="evict_last")
-            return jnp.maximum(acc, tile.astype(jnp.float32))
+            tiles = []
+            for u in range(UNROLL):
+                r0 = lo + (i * UNROLL + u) * TILE
+                rows = r0 + jnp.arange(TILE, dtype=jnp.int32)
+                mask = (rows < limit)[:, None] & (cols < ROW)[None, :]
+                tiles.append(plgpu.load(ref.at[layer, pl.ds(r0, TILE), pl.ds(0, ROW)], mask=mask, other=-jnp.inf,
+                                        eviction_policy="evict_last"))
+            for tile in tiles:
+                acc = jnp.maximum(acc, tile.astype(jnp.float32))
+            return acc
 
-        digest = jax.lax.fori_loop(0, per // TILE, body, digest)
+        digest = jax.lax.fori_loop(0, per // (TILE * UNROLL), body, digest)
     plgpu.store(out_ref.at[part, pl.ds(0, ROW)], jnp.max(digest, axis=0))
 
 

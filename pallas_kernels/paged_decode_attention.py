@@ -298,7 +298,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     each be materialised by a kernel of its own.
 
     warm = ((w, limit_bytes), ...): stacked weights [L, ...] that the kernels after this one read at `layer`; extra
-    programs (about warm_programs, default: the SMs the attention leaves idle, at least one per (head, split)) read
+    programs (about warm_programs, default `l2_warm.default_programs`: about the SMs the attention leaves idle) read
     their first limit_bytes (None = all) into the L2 while the attention runs (l2_warm.py). Only the cache is
     affected: outputs are the same with or without it."""
     packed = isinstance(new_kv, str)
@@ -334,7 +334,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     warm_rows = 0
     if views:
         per_row = Hkv * S
-        want = warm_programs or max(NUM_SMS - R * per_row, per_row)
+        want = warm_programs or l2_warm.default_programs(R * per_row)
         warm_rows = -(-want // per_row)
         warm_kib = sum(n * l2_warm.ROW * w.dtype.itemsize for w, n in views) >> 10
         what += f", L2 warmed with {warm_kib} KiB by {warm_rows * per_row} programs"
