@@ -267,20 +267,10 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
-    matmul, _, warm_mib = matmul.partition("+warm")
-    if matmul in ("xla-glu", "xla-residual") or warm_mib:
-        from jphoton.models import matmul as mm
+    if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
+        from jphoton.models.matmul import XlaMatmul
 
-        if matmul == "fused":
-            matmul = mm.XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=mm.FUSED_RESIDUAL_MIN_ROWS)
-        else:  # "fused" in parts (the residual kernel at any row count)
-            matmul = mm.XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-        if warm_mib:  # N or NxP: P warm programs per SM (l2_warm.PER_SM)
-            mib, _, per_sm = warm_mib.partition("x")
-            matmul.warm_l2 = (("wo", None), ("w_gate_up", int(mib) << 20))
-            from pallas_kernels import l2_warm
-
-            l2_warm.PER_SM = int(per_sm or 1)
+        matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
     try:
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -327,8 +317,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
-                         "unfused|fused; MATMUL+warmN (fused, xla-glu or xla-residual): the decode attention kernel "
-                         "warms the L2 with the layer's O weight and N MiB of gate+up; +warmNxP: with P programs per SM")
+                         "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
                          "[x stages]) instead of the default")
@@ -346,7 +335,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        if v.rsplit("-", 1)[0].partition("+warm")[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

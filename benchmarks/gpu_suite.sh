@@ -110,15 +110,6 @@ for section in "$@"; do
       # B = 2 and 32, 512 tokens of context (outside the step, ~5 us calls time too noisily: RESULTS.md)
       run attention-in-step python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants fused-fused \
         --attn-configs 64x4 64x2 64x8 32x8 32x16 64x4x3 128x2 --out "$OUT/attention-in-step.json" ;;
-    l2-warm)  # the default 1B step at B = 2, 8, 16, 32 with the decode attention kernel warming the L2 with the layer's O
-      # weight (+ N MiB of gate+up, xP: P programs per SM) (pallas_kernels/l2_warm.py), against no warming, one run;
-      # then the kernels
-      run l2-warm python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 \
-        --variants fused-fused fused+warm0-fused fused+warm0x2-fused fused+warm0x4-fused fused+warm4x2-fused \
-        --out "$OUT/l2-warm.json"
-      run kernel-profile-warm python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 \
-        --warm-l2-mib 8 \
-        --out "$OUT/kernel-profile-warm.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,
       # 16 layers' weights chained, against XLA's dot + activation
       run glu-sweep python3 benchmarks/decode_matmul.py --shapes gate_up_glu --m 2 32 --sweep-m 2 32 --max-configs 14 \

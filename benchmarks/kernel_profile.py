@@ -119,9 +119,6 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", type=int, default=60, help="kernels of one step printed in order")
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
-    ap.add_argument("--warm-l2-mib", type=int, default=None,
-                    help="matmul 'fused' with the decode attention kernel warming the L2 with the layer's O weight "
-                         "and this many MiB of gate+up (pallas_kernels/l2_warm.py)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -134,11 +131,6 @@ def main() -> None:
     for kv in filter(None, args.llm_args.split(",")):
         k, v = kv.split("=", 1)
         extra[k] = eval(v, {})  # noqa: S307 - a benchmark's own command line
-    if args.warm_l2_mib is not None:
-        from jphoton.models import matmul as mm
-
-        extra["matmul"] = mm.XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=mm.FUSED_RESIDUAL_MIN_ROWS,
-                                       warm_l2=(("wo", None), ("w_gate_up", args.warm_l2_mib << 20)))
     info = device_info()
     print(info, flush=True)
     pages = -(-max(args.ctx, 256) // 16)

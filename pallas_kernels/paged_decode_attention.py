@@ -54,14 +54,12 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import l2_warm
 from pallas_kernels.common import log_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
@@ -123,34 +121,13 @@ def path_name(interpret: bool | None = None) -> str:
 # the kernel
 
 
-def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, R, warm_limits, warm_parts, **static):
-    """Programs (r < R, h, s) attend; programs of the grid's extra rows r >= R warm the L2 (l2_warm.py)."""
-    nw = len(warm_limits)
-    write = static["write"]
-    if nw:
-        warm_out_ref = refs[-1]
-        warm_refs = refs[2 * write:2 * write + nw]
-        refs = refs[:2 * write] + refs[2 * write + nw:-1]
-    r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if not nw:
-        return _attend(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, r=r, h=h, s=s, **static)
-
-    @pl.when(r < R)
-    def _():
-        _attend(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, r=r, h=h, s=s, **static)
-
-    @pl.when(r >= R)
-    def _():
-        part = ((r - R) * pl.num_programs(1) + h) * pl.num_programs(2) + s
-        l2_warm.warm(warm_refs, warm_limits, layer_ref[0], part, warm_parts, warm_out_ref)
-
-
-def _attend(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, r, h, s, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
+def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
             window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
     if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
         kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
         out_refs = refs
+    r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     ctx = len_ref[r]
     hi = jnp.minimum(ctx, max_tokens)
@@ -279,8 +256,7 @@ def _layer_array(layer) -> jax.Array:
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
                            sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
-                           config: PagedDecodeConfig | None = None, interpret: bool | None = None,
-                           warm: Sequence[tuple[jax.Array, int | None]] = (), warm_programs: int | None = None):
+                           config: PagedDecodeConfig | None = None, interpret: bool | None = None):
     """Decode attention of one query token per row over the paged KV cache.
 
     q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
@@ -295,12 +271,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     each at B=2 on the H100, RESULTS.md). Needs ctx_len <= max_pages * page_size (the engine's rows always are).
     new_kv = "packed": q is [R, Hq + 2 * Hkv, hd] = [query heads | key heads | value heads] of the current token, read
     in place by head offset: the engine builds it in one XLA fusion with RoPE, where separate q, k, v operands would
-    each be materialised by a kernel of its own.
-
-    warm = ((w, limit_bytes), ...): stacked weights [L, ...] that the kernels after this one read at `layer`; extra
-    programs (about warm_programs, default `l2_warm.default_programs`: about the SMs the attention leaves idle) read
-    their first limit_bytes (None = all) into the L2 while the attention runs (l2_warm.py). Only the cache is
-    affected: outputs are the same with or without it."""
+    each be materialised by a kernel of its own."""
     packed = isinstance(new_kv, str)
     if packed and new_kv != "packed":
         raise ValueError(f"new_kv must be None, (k, v) or 'packed', got {new_kv!r}")
@@ -329,22 +300,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     what = f"R={R} splits={S}"
     if write:
         what += ", current token's KV written in the kernel" + (" (packed q|k|v)" if packed else "")
+    _log_path(interp, what)
     f32 = k_pool.dtype == jnp.float32
-    views = [v for v in (l2_warm.as_rows(w, lim) for w, lim in warm) if v is not None]
-    warm_rows = 0
-    if views:
-        per_row = Hkv * S
-        want = warm_programs or l2_warm.default_programs(R * per_row)
-        warm_rows = -(-want // per_row)
-        warm_kib = sum(n * l2_warm.ROW * w.dtype.itemsize for w, n in views) >> 10
-        what += f", L2 warmed with {warm_kib} KiB by {warm_rows * per_row} programs"
     kernel = functools.partial(
-        _kernel, R=R, warm_limits=tuple(n for _, n in views), warm_parts=warm_rows * Hkv * S,
-        G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
+        _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
         v_off=Hq + Hkv if packed else 0)
-    _log_path(interp, what)
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
@@ -357,23 +319,17 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
         args += [qkv, qkv] if packed else [k_new, v_new]
-    if views:
-        args += [w for w, _ in views]
-        out_shape.append(jax.ShapeDtypeStruct((warm_rows * Hkv * S, l2_warm.ROW), jnp.float32))
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(
             kernel,
-            grid=(R + warm_rows, Hkv, S),
+            grid=(R, Hkv, S),
             out_shape=tuple(out_shape),
             input_output_aliases=aliases,
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}{'_L2' if views else ''}",
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}",
         )(*args)
-    out = list(out)
-    if views:
-        out.pop()  # the warm programs' digest: only there so that their loads are not optimised away
     if write:
         *out, k_pool, v_pool = out
     result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)

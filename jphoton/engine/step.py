@@ -126,8 +126,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    def attend(q, k, v, kv, layer, warm=()):
-        """warm: ((stacked weight, bytes), ...) that the decode kernel reads into the L2 (pallas_kernels/l2_warm.py)"""
+    def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
         first = Bd if kernel_writes else 0  # tokens from here on have their KV written by a scatter
         if shape.tokens > first:
@@ -140,7 +139,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
             out, (k_pool, v_pool) = paged_decode_attention(
                 qkv, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                sliding_window=static.sliding_window, new_kv="packed", warm=warm)
+                sliding_window=static.sliding_window, new_kv="packed")
             parts.append(out)
         elif Bd:
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])

@@ -185,8 +185,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     next_norm = jnp.concatenate([stacked["attn_norm"][1:], params["final_norm"][None]])
     x = params["embed"][tokens]
     h = rms_norm(x, stacked["attn_norm"][0], eps)
-    # weights the attention kernel reads into the L2 for the matmuls after it (only asked of attends that take `warm`)
-    warm = {"warm": tuple((stacked[key], n) for key, n in mm.warm_l2 if key in stacked)} if mm.warm_l2 else {}
 
     def layer(carry, xs):
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
@@ -198,7 +196,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             return mm(v, lp[key], stacked[key], index)
 
         q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
-        o, kv = attend(q, k, v, kv, index, **warm)
+        o, kv = attend(q, k, v, kv, index)
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
                            stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:

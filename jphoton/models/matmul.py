@@ -104,9 +104,6 @@ class PlainMatmul:
     """XLA dots as the model writes them; the base of the other hooks, whose methods fall back to these."""
 
     min_rows = 1
-    # ((param key, bytes or None = all), ...): weights of the layer that the attention kernel should read into the L2
-    # while it runs (pallas_kernels/l2_warm.py), for the matmuls that follow it
-    warm_l2: tuple[tuple[str, int | None], ...] = ()
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N] (this layer's matrix; `stacked` [L, K, N] and `layer` are for kernels)."""
@@ -142,8 +139,7 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 interpret: bool | None = None, warm_l2: tuple[tuple[str, int | None], ...] = ()):
-        self.warm_l2 = tuple(warm_l2)
+                 interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
@@ -153,9 +149,6 @@ class XlaMatmul(PlainMatmul):
                                         residual_gemv)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
-        if warm_l2:
-            log.info("dense matmuls: the decode attention kernel warms the L2 with %s",
-                     ", ".join(f"{key} ({'all' if n is None else f'{n >> 20} MiB'})" for key, n in warm_l2))
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N]. An earlier version indexed the stack here with the traced layer index; its H100 step
