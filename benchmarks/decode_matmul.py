@@ -267,17 +267,10 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
-    matmul, _, qkv_cfg = matmul.partition("+qkv")
     if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
         from jphoton.models.matmul import XlaMatmul
 
         matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-    if qkv_cfg:  # "fused" with the plain products (QKV, fused layout) through the GEMV at config BN.SPLIT
-        from jphoton.models import matmul as mm
-
-        bn, split = (int(v) for v in qkv_cfg.split("."))
-        matmul = mm.make("fused")
-        matmul.plain_gemv = gv.GemvConfig(block_n=bn, block_k=128, split=split)
     try:
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
@@ -324,7 +317,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
-                         "unfused|fused; fused+qkvBN.SPLIT-LAYOUT: QKV through the GEMV with that config")
+                         "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
                          "[x stages]) instead of the default")
@@ -342,7 +335,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        if v.rsplit("-", 1)[0].partition("+qkv")[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

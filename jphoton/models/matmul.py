@@ -150,13 +150,9 @@ class XlaMatmul(PlainMatmul):
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
-    plain_gemv = None  # a GemvConfig: products through the GEMV at <= PALLAS_MAX_ROWS rows (benchmarks)
-
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N]. An earlier version indexed the stack here with the traced layer index; its H100 step
         was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
-        if self.plain_gemv is not None and stacked is not None and _rows(x) <= PALLAS_MAX_ROWS:
-            return _gemv_rows(x, stacked, layer, config=self.plain_gemv, interpret=self.interpret)
         return two_row_dot(x, w)
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
