@@ -237,7 +237,7 @@ def run_e2e(args) -> list[dict]:
     rows = []
     runs = [(v, a) for v in args.variants for a in (args.attn_configs or [None])]
     for variant, attn in runs:
-        with _attention_config(attn), _layer_index(variant):
+        with _attention_config(attn):
             rows += _e2e_variant(args, spec, f"{variant} attn {attn}" if attn else variant)
         gc.collect()
     return rows
@@ -258,16 +258,6 @@ def _attention_config(spec: str | None):
         yield
 
 
-@contextlib.contextmanager
-def _layer_index(variant: str):
-    """Variants ending in "+dynlayer": the Pallas kernels read the layer index from an operand, as under a `scan`,
-    instead of having it compiled in (pallas_kernels/common.layer_operands)."""
-    from pallas_kernels import common
-
-    with mock.patch.object(common, "STATIC_LAYER", not variant.endswith("+dynlayer")):
-        yield
-
-
 def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
     from benchmarks.pipeline import device_step_ms
     from jphoton import LLM
@@ -276,7 +266,7 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
     from jphoton.weights import load_model
 
     rows = []
-    matmul, layout = variant.split(" ")[0].removesuffix("+dynlayer").rsplit("-", 1)
+    matmul, layout = variant.split(" ")[0].rsplit("-", 1)
     if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
         from jphoton.models.matmul import XlaMatmul
 
@@ -327,8 +317,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
-                         "unfused|fused; a +dynlayer suffix: the kernels' layer index read from an operand, as under "
-                         "a scan, not compiled in")
+                         "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
                          "[x stages]) instead of the default")
@@ -346,7 +335,6 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        v = v.removesuffix("+dynlayer")
         if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

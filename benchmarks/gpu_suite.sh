@@ -110,10 +110,6 @@ for section in "$@"; do
       # B = 2 and 32, 512 tokens of context (outside the step, ~5 us calls time too noisily: RESULTS.md)
       run attention-in-step python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants fused-fused \
         --attn-configs 64x4 64x2 64x8 32x8 32x16 64x4x3 128x2 --out "$OUT/attention-in-step.json" ;;
-    static-layer)  # the default 1B step with the Pallas kernels' layer index compiled in (the engine's unrolled loop)
-      # against read from an operand (+dynlayer), alternating, same process
-      run static-layer python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 32 \
-        --variants fused-fused fused-fused+dynlayer fused-fused fused-fused+dynlayer --out "$OUT/static-layer.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,
       # 16 layers' weights chained, against XLA's dot + activation
       run glu-sweep python3 benchmarks/decode_matmul.py --shapes gate_up_glu --m 2 32 --sweep-m 2 32 --max-configs 14 \

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import layer_operands, log_once, next_pow2, use_interpret, with_layer
+from pallas_kernels.common import log_once, next_pow2, use_interpret
 
 log = logging.getLogger("jphoton.kernels")
 
 
-def _kernel(layer, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, Dp, eps):
+def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, Dp, eps):
     r = pl.program_id(0)
     cols = pl.ds(0, Dp)
     in_row = jnp.arange(Dp, dtype=jnp.int32) < D
@@ -45,7 +45,7 @@ def _kernel(layer, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, Dp, e
     h = (load(h_ref.at[r, cols]).astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
     hf = h.astype(jnp.float32)
     inv_rms = 1.0 / jnp.sqrt(jnp.sum(hf * hf) / D + eps)  # masked columns are zeros
-    g = load(w_ref.at[layer, cols]).astype(jnp.float32)
+    g = load(w_ref.at[layer_ref[0], cols]).astype(jnp.float32)
     normed = g * (hf * inv_rms).astype(dtype).astype(jnp.float32)
     plgpu.store(h_out_ref.at[r, cols], h, mask=mask)
     plgpu.store(n_out_ref.at[r, cols], normed.astype(n_out_ref.dtype), mask=mask)
@@ -70,17 +70,16 @@ def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, 
              "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
     normed_dtype = jnp.result_type(weight.dtype, h.dtype)
     kernel = functools.partial(_kernel, S=S, Sp=next_pow2(S), D=D, Dp=next_pow2(D), eps=float(eps))
-    static_layer, layer_ops = layer_operands(layer)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         return pl.pallas_call(
-            with_layer(kernel, static_layer),
+            kernel,
             grid=(M,),
             out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, normed_dtype)),
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             name=f"add_rms_norm_M{M}_S{S}",
-        )(*layer_ops, h, parts, weight)
+        )(jnp.asarray(layer, jnp.int32).reshape(1), h, parts, weight)
 
 
 def add_rms_norm_reference(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 
 def use_interpret(interpret: bool | None) -> bool:
@@ -31,24 +29,3 @@ def log_once(log: logging.Logger, key, msg: str, *args) -> None:
     if key not in _logged:
         _logged.add(key)
         log.info(msg, *args)
-
-
-# A Python-int layer index is compiled into the kernel (benchmarks turn this off to compare).
-STATIC_LAYER = True
-
-
-def layer_operands(layer) -> tuple[int | None, list[jax.Array]]:
-    """How a kernel over a stacked weight [L, ...] gets its layer index: a Python int (the engine's unrolled layer
-    loop) is compiled in, so the first weight address is known at kernel start; a traced index (a `scan`) becomes a
-    [1] int32 operand that every program loads first, one memory round trip (~0.5-1 us) before any weight load can
-    issue. Returns (the static index or None, the operands to pass first)."""
-    if STATIC_LAYER and isinstance(layer, (int, np.integer)):
-        return int(layer), []
-    return None, [jnp.asarray(layer, jnp.int32).reshape(1)]
-
-
-def with_layer(kernel, static_layer: int | None):
-    """A Pallas kernel body from kernel(layer, *refs): the static index, or the one read from the first ref."""
-    if static_layer is not None:
-        return lambda *refs: kernel(jnp.int32(static_layer), *refs)
-    return lambda layer_ref, *refs: kernel(layer_ref[0], *refs)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import layer_operands, log_once, use_interpret, with_layer  # noqa: F401 (use_interpret: public)
+from pallas_kernels.common import log_once, use_interpret  # noqa: F401 (use_interpret: public here)
 from pallas_kernels.common import next_pow2 as _pow2
 
 log = logging.getLogger("jphoton.kernels")
@@ -109,13 +109,14 @@ def _load(ref, mask):
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
 
-def _gemv_kernel(layer, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
+def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
                  mask_k, mask_n, glu, split_out):
     # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
     # mode keeps one [BN] accumulator per row (a tuple carry) instead of stacking rows into a non-power-of-two tile.
     # Nothing but loads feeds the dot inside the K loop: elementwise work on the activation tile there (RMSNorm or
     # SwiGLU prologues, measured in an earlier version) made the kernel 1.6-2.1x slower on the H100 (RESULTS.md).
     j, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     n0 = j * BN
     nmask = n0 + jnp.arange(BN, dtype=jnp.int32) < N
     k_begin = s * (chunks * BK)
@@ -233,18 +234,18 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
         unroll=cfg.unroll, mask_k=split * chunks * BK != K, mask_n=N % BN != 0, glu=glu, split_out=split_out)
     part_dtype = jnp.float32 if split_out else out_dtype
     out_shape = (split, M, N) if split_out else (M, N)
-    static_layer, layer_ops = layer_operands(layer)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(
-            with_layer(kernel, static_layer),
+            kernel,
             grid=(pl.cdiv(N, BN), split),
             out_shape=jax.ShapeDtypeStruct(out_shape, part_dtype),
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             name=f"gemv_{'fma' if fma else 'dot'}{'_glu' if glu else ''}{'_partials' if partials else ''}_M{M}_BN{BN}"
                  f"_BK{BK}_S{split}{'_T' if transposed else ''}",
-        )(*layer_ops, x, w)
+        )(layer_arr, x, w)
     if split > 1 and not partials:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import layer_operands, log_once, with_layer
+from pallas_kernels.common import log_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -126,9 +126,10 @@ def _compiler_params(warps: int, stages: int):
 # gate_up
 
 
-def _gate_up_kernel(layer, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK,
+def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK,
                     unroll):
     fb, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     e = slots_ref[s]
     tt = jnp.arange(M, dtype=jnp.int32)
     kk = jnp.arange(KK, dtype=jnp.int32)
@@ -181,23 +182,23 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
     BK = min(max(16, cfg.block_k * 2 // w_gate.dtype.itemsize), max(16, _pow2(D)))
     kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK,
                                unroll=cfg.unroll_gate_up)
-    static_layer, layer_ops = layer_operands(layer)
     return pl.pallas_call(
-        with_layer(kernel, static_layer),
+        kernel,
         grid=(pl.cdiv(F, BF), slots.shape[0]),
         out_shape=jax.ShapeDtypeStruct((T * K, F), jnp.float32),
         interpret=interpret,
         compiler_params=_compiler_params(cfg.warps_gate_up, cfg.stages_gate_up),
         name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}{'_unrolled' if cfg.unroll_gate_up else ''}",
-    )(*layer_ops, slots, topk_ids, x, w_gate, w_up)
+    )(layer, slots, topk_ids, x, w_gate, w_up)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # down
 
 
-def _down_kernel(layer, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D, F, BD, BFD, unroll):
+def _down_kernel(layer_ref, ids_ref, wts_ref, h_ref, wd_ref, y_ref, *, K, KK, D, F, BD, BFD, unroll):
     t, db = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     d0 = db * BD
     dmask = d0 + jnp.arange(BD, dtype=jnp.int32) < D
     nf = pl.cdiv(F, BFD)
@@ -229,15 +230,14 @@ def down(h, topk_ids, topk_weights, w_down, layer, out_dtype, cfg: WarpDecodeCon
     BD = min(cfg.block_d, _pow2(D))
     BFD = min(cfg.block_fd, _pow2(F))
     kernel = functools.partial(_down_kernel, K=K, KK=_pow2(K), D=D, F=F, BD=BD, BFD=BFD, unroll=cfg.unroll_down)
-    static_layer, layer_ops = layer_operands(layer)
     return pl.pallas_call(
-        with_layer(kernel, static_layer),
+        kernel,
         grid=(T, pl.cdiv(D, BD)),
         out_shape=jax.ShapeDtypeStruct((T, D), out_dtype),
         interpret=interpret,
         compiler_params=_compiler_params(cfg.warps_down, cfg.stages_down),
         name=f"moe_warp_down_BD{BD}_BF{BFD}{'_unrolled' if cfg.unroll_down else ''}",
-    )(*layer_ops, topk_ids, topk_weights, h, w_down)
+    )(layer, topk_ids, topk_weights, h, w_down)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -259,11 +259,10 @@ def _slots(topk_ids: jax.Array, num_experts: int, mode: str) -> jax.Array:
     return jnp.where(repeated, -1, flat)
 
 
-def _as_stacked(w: jax.Array, layer):
-    """w as [L, ...] and the layer to read (a Python int or a traced scalar, pallas_kernels/common.layer_operands)."""
+def _as_stacked(w: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
     if w.ndim == 3:
         w, layer = w[None], 0
-    return w, 0 if layer is None else layer
+    return w, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
 
 
 def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
@@ -294,7 +293,7 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
             moe_warp_decode(x[i:i + MAX_ROWS], topk_ids[i:i + MAX_ROWS], topk_weights[i:i + MAX_ROWS], w_gate, w_up,
                             w_down, layer, config=config, interpret=interpret, out_dtype=out_dtype)
             for i in range(0, x.shape[0], MAX_ROWS)])
-    w_gate, layer_index = _as_stacked(w_gate, layer)
+    w_gate, layer_arr = _as_stacked(w_gate, layer)
     w_up, _ = _as_stacked(w_up, layer)
     w_down, _ = _as_stacked(w_down, layer)
     check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down)
@@ -308,8 +307,8 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
     slots = _slots(ids, E, cfg.slots)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        h = gate_up(x, ids, slots, w_gate, w_up, layer_index, cfg, interp)
-        return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_index, out_dtype or x.dtype, cfg, interp)
+        h = gate_up(x, ids, slots, w_gate, w_up, layer_arr, cfg, interp)
+        return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_arr, out_dtype or x.dtype, cfg, interp)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

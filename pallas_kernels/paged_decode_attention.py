@@ -20,8 +20,7 @@ straight from the pool, and its loop follows each row's own length:
             with full array indices: pages are gathered *inside* the kernel, no copy of K/V is made in XLA. Each
             position's hd values are contiguous (128 B for bf16 hd 64), so the loads coalesce per row. The page size
             need not be a power of two or divide the block: the arithmetic is per position.
-  layer     the stacked pool [L, slots, Hkv, hd] is indexed at the layer (compiled in when a Python int, else read
-            from a [1] operand: common.layer_operands), never sliced into a copy.
+  layer     the stacked pool [L, slots, Hkv, hd] is indexed with a traced layer scalar, never sliced into a copy.
   dots      scores = q [Gp, hd] . K^T and acc += p [Gp, block] . V run on tensor cores (`dot_general`, fp32
             accumulation). Triton's dot needs every dimension >= 16, so the G query heads of a KV head are padded to
             Gp = max(16, pow2(G)) rows inside the kernel: masked loads give zero rows, masked stores drop them; the
@@ -61,7 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import layer_operands, log_once, with_layer
+from pallas_kernels.common import log_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -122,13 +121,14 @@ def path_name(interpret: bool | None = None) -> str:
 # the kernel
 
 
-def _kernel(layer, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
+def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
             window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
     if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
         kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
         out_refs = refs
     r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     ctx = len_ref[r]
     hi = jnp.minimum(ctx, max_tokens)
     lo = jnp.maximum(ctx - window, 0) if window is not None else jnp.int32(0)
@@ -249,6 +249,10 @@ def check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, 
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
 
 
+def _layer_array(layer) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
                            sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
@@ -309,17 +313,16 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         out_shape = [jax.ShapeDtypeStruct((R, Hkv, S, Gp, HD), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32)]
-    static_layer, layer_ops = layer_operands(0 if layer is None else layer)
-    args = [*layer_ops, block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), qkv, k_pool, v_pool]
+    args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), qkv, k_pool, v_pool]
     aliases = {}
-    if write:  # the pools (the last two inputs so far) are the last two outputs, updated in place
-        aliases = {len(args) - 2: len(out_shape), len(args) - 1: len(out_shape) + 1}
+    if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
         args += [qkv, qkv] if packed else [k_new, v_new]
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(
-            with_layer(kernel, static_layer),
+            kernel,
             grid=(R, Hkv, S),
             out_shape=tuple(out_shape),
             input_output_aliases=aliases,
