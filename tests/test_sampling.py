@@ -83,3 +83,22 @@ def test_top_k_one_is_greedy(tiny_llm):
     topk1 = tiny_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, seed=3,
                                                      ignore_eos=True))[0]
     assert topk1.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("V", [512, 1000])  # two blocks of 256; a size that is padded to blocks of 16
+def test_many_blocks_follow_softmax_and_never_draw_masked_tokens(V):
+    rng = np.random.default_rng(V)
+    logits = rng.normal(size=V) * 2.0
+    logits[rng.permutation(V)[: V // 2]] = -np.inf  # half the vocabulary masked out, scattered over the blocks
+    p = np.exp(logits - logits[np.isfinite(logits)].max())
+    p /= p.sum()
+    top = np.argsort(-p)[:4]
+    freq = _draw(logits, 20000, seed=V)
+    assert freq[~np.isfinite(logits)].sum() == 0
+    assert np.abs(freq[top] - p[top]).max() < 0.015
+    assert np.abs(freq - p).sum() < 0.2  # total variation over the whole vocabulary, 20000 draws
+
+
+def test_a_row_with_nothing_allowed_gives_a_valid_id():
+    freq = _draw(np.full(V, -np.inf), 4)
+    assert freq.sum() == 1.0
