@@ -137,6 +137,9 @@ for section in "$@"; do
       # again with "fused" (same weights, same process)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
         --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
+    vs-pytorch-1b-b8-b128)  # B=8 and 128, HF static and jphoton pipelined in one process (no agreement check)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 8 128 \
+        --agree 0 --time-budget 420 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b128)  # B=128, HF static and jphoton in one process (no agreement check: the b1 sections have it)
       # (--gc-ab: the pipelined case again with the GC's start-up objects unfrozen, the 726 ms tick's suspect)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
