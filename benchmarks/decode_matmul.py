@@ -253,7 +253,8 @@ def _attention_config(spec: str | None):
     from pallas_kernels import paged_decode_attention as pda
 
     block, splits, *stages = (int(v) for v in spec.split("x"))
-    cfg = pda.PagedDecodeConfig(block_tokens=block, splits=splits, num_stages=stages[0] if stages else 2)
+    cfg = pda.PagedDecodeConfig(block_tokens=block, splits=splits,
+                                num_stages=stages[0] if stages else pda.PagedDecodeConfig.num_stages)
     with mock.patch.object(pda, "default_config", lambda *a: cfg):
         yield
 

@@ -111,7 +111,7 @@ for section in "$@"; do
       run attention-in-step python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 --variants fused-fused \
         --attn-configs 64x4 64x2 64x8 32x8 32x16 64x4x3 128x2 --out "$OUT/attention-in-step.json" ;;
     attention-in-step-b128)  # Pallas decode attention configs inside the default 1B step at B = 128, 512 tokens of
-      # context (the default there: 64 x 1), block tokens x splits [x stages]
+      # context (the default there: 64 x 1; stages: default 4), block tokens x splits [x stages]
       run attention-in-step-b128 python3 benchmarks/decode_matmul.py --part e2e --batch 128 --variants fused-fused \
         --attn-configs 64x1 64x1x3 128x1 32x1 64x2 128x1x3 64x1x4 --out "$OUT/attention-in-step-b128.json" ;;
     glu-sweep)  # the gate+up GEMV with the SwiGLU epilogue (matmul "fused"): tile / warp / stage configs at M = 2 and 32,

@@ -78,7 +78,9 @@ class PagedDecodeConfig:
     block_tokens: int = 64
     splits: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    # 4 stages measured best inside the 1B step on the H100 (RESULTS.md, 2026-11-23 23:57-00:00): -0.8 to -1.1% per step
+    # at B = 128 (8 blocks per program), -0.3 to -0.8% at B = 32 and at 8k context, no change at B = 2 (2 blocks); 5 lost
+    num_stages: int = 4
 
     def __post_init__(self):
         b = self.block_tokens
