@@ -245,16 +245,16 @@ def run_e2e(args) -> list[dict]:
 
 @contextlib.contextmanager
 def _attention_config(spec: str | None):
-    """spec "BLOCKxSPLITS[xSTAGES]": the Pallas decode attention's config for every call traced inside (replaces its
+    """spec "BLOCKxSPLITS[xSTAGES[xWARPS]]": the Pallas decode attention's config for every call traced inside (replaces its
     default_config; benchmark-only, to compare configs in the real step), None: the default."""
     if spec is None:
         yield
         return
     from pallas_kernels import paged_decode_attention as pda
 
-    block, splits, *stages = (int(v) for v in spec.split("x"))
-    cfg = pda.PagedDecodeConfig(block_tokens=block, splits=splits,
-                                num_stages=stages[0] if stages else pda.PagedDecodeConfig.num_stages)
+    block, splits, *rest = (int(v) for v in spec.split("x"))
+    stages, warps = (rest + [pda.PagedDecodeConfig.num_stages, pda.PagedDecodeConfig.num_warps][len(rest):])[:2]
+    cfg = pda.PagedDecodeConfig(block_tokens=block, splits=splits, num_stages=stages, num_warps=warps)
     with mock.patch.object(pda, "default_config", lambda *a: cfg):
         yield
 
@@ -319,9 +319,9 @@ def main() -> None:
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
                          "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
                          "unfused|fused")
-    ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST]",
+    ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
-                         "[x stages]) instead of the default")
+                         "[x stages [x warps]]) instead of the default")
     ap.add_argument("--step-reps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=512, help="e2e: tokens of context every row attends over")
     args = ap.parse_args()
