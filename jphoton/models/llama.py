@@ -164,10 +164,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             matmul: Callable | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
-    Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer scan's carry
+    Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer loop's carry
     (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
-    into it and returns the attention output [..., Hq, hd]. `unroll` unrolls the layer loop: longer compiles, but no
-    loop control between layers (on GPU each loop iteration is a synchronisation point for XLA). `moe_backend` only
+    into it and returns the attention output [..., Hq, hd]. `unroll` runs the layers as a Python loop (the layer index
+    a Python int) instead of a `lax.scan`: longer compiles, but no loop control between layers (on GPU each loop
+    iteration is a synchronisation point for XLA). `moe_backend` only
     matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs the dense layers'
     weight matmuls, given the stacked weight and the layer index, and the residual adds and RMSNorms after them; MoE
     configs ignore it. Params may be in the serving layout (`fuse_params`) or not."""
