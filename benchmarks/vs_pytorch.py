@@ -38,7 +38,9 @@ Rows (`--rows`):
                      Buckets are exactly what the cases need: decode buckets = the section's B values, prefill buckets
                      (1, P) and (min(8, max B), P), one context bucket; the shapes are compiled by an untimed warm-up
                      run of each case (so `compiles_during_run` should be 0). Default attention / matmul of the GPU
-                     (reported as `attention`).
+                     (reported as `attention`). Pipelined rows also carry `device_step_ms`: the same decode step
+                     dispatched back to back with no host work between (benchmarks/pipeline.py; every row of the
+                     bucket at the median tick's context), and `tick_over_device_step` (1.0 = device-bound).
 Every row also reports decode tok/s = B / ms_step and the floor = (weight bytes + KV bytes at the mean context) / read
 bandwidth, the bandwidth measured in the same run (`jnp.sum` over an 8 GiB bf16 array, benchmarks/common.py), and
 step / floor.
@@ -232,10 +234,20 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     timed_run(llm, prompts, params, guard=False)  # untimed twin: compiles exactly the shapes this case steps through
     warm = time.perf_counter() - t0
     r = timed_run(llm, prompts, params)
-    return dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
-                wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
-                compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention,
-                slowest_ticks=r.slowest_ticks, gc_ms=r.gc_ms, gc_ticks=r.gc_ticks)
+    out = dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
+               wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
+               compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention,
+               slowest_ticks=r.slowest_ticks, gc_ms=r.gc_ms, gc_ticks=r.gc_ticks)
+    if depth == 2:  # the same decode step back to back, no host work between: how device-bound the pipeline is
+        from benchmarks.pipeline import device_step_ms
+
+        bucket = min(b for b in llm.engine.scheduler.config.decode_buckets if b >= len(prompts))
+        context = len(prompts[0]) + new_tokens // 2  # the median tick's context (every row of the bucket gets it)
+        out["device_step_ms"] = device_step_ms(llm, bucket, reps=30, context=context)
+        out["tick_over_device_step"] = out["ms_step"] / out["device_step_ms"]
+        log.info("pipelined tick %.3f ms, the same step back to back %.3f ms (bucket %d, context %d): %.3fx",
+                 out["ms_step"], out["device_step_ms"], bucket, context, out["tick_over_device_step"])
+    return out
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
