@@ -76,13 +76,13 @@ class Sequence:
     def append(self, token: int, grammar_done: bool = False) -> Delta:
         """Commit one sampled token; returns the delta to stream (possibly empty text). grammar_done: the request's
         constraint is complete with this token (a stop, like EOS)."""
-        assert not self.finished, "append after finish"
+        assert self.finish_reason is None, "append after finish"
         token = int(token)
         self.output_ids.append(token)
         if self._detok is not None:
             self.text += self._detok.push(token)
             self._check_stop_strings()
-        if not self.finished:
+        if self.finish_reason is None:
             if token in self._stop_ids or grammar_done:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.max_new_tokens:
@@ -107,7 +107,8 @@ class Sequence:
     def _delta(self, token_ids: list[int]) -> Delta:
         text = ""
         if self.text is not None:
-            end = len(self.text) if self.finished else max(self._emitted, len(self.text) - self._holdback)
+            end = len(self.text) if self.finish_reason is not None else max(self._emitted,
+                                                                             len(self.text) - self._holdback)
             text, self._emitted = self.text[self._emitted:end], end
         return Delta(token_ids, text, self.finish_reason)
 
