@@ -141,6 +141,12 @@ for section in "$@"; do
       # again with "fused" (same weights, same process)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
         --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
+    host-overhead)  # the engine's host work per decode tick without a device (plan + pack, commit) at B = 1, 32, 128
+      run "$section" python3 benchmarks/host_overhead.py --batch 1 32 128 --out "$OUT" ;;
+    vs-pytorch-1b-host)  # B=32 and 128 pipelined beside the step back to back, then with the dispatcher thread (the
+      # large-batch cases, where the host's per-row work grows toward the device step); no HF rows
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows jphoton-pipelined --batch 32 128 --agree 0 \
+        --ab-dispatch-thread --time-budget 400 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-b8-b128)  # B=8 and 128, HF static and jphoton pipelined in one process (no agreement check)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 8 128 \
         --agree 0 --time-budget 420 --out "$OUT" --tag "$section" ;;

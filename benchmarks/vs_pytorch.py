@@ -371,6 +371,8 @@ def main() -> None:
     ap.add_argument("--matmul", default="auto")
     ap.add_argument("--ab-matmul", nargs="+", default=[], metavar="KIND",
                     help="repeat the pipelined cases with these matmul kinds (models/matmul.py), same weights and run")
+    ap.add_argument("--ab-dispatch-thread", action="store_true",
+                    help="repeat the pipelined cases with the device calls on a dispatcher thread (engine/dispatch.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: bfloat16 on GPU, float32 on CPU")
@@ -540,6 +542,16 @@ def main() -> None:
             for label, b, ps, n in cases:
                 record("jphoton-pipelined", (f"{label} GC unfrozen", b, ps, n),
                        lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
+        if args.ab_dispatch_thread:  # the same engine, its device calls moved to a dispatcher thread
+            from jphoton.engine.dispatch import Dispatcher
+
+            llm.engine.runner.dispatcher.drain()
+            llm.engine.runner.dispatcher = Dispatcher(threaded=True)
+            for label, b, ps, n in cases:
+                record("jphoton-pipelined", (f"{label} dispatch thread", b, ps, n),
+                       lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
+            llm.engine.runner.dispatcher.drain()
+            llm.engine.runner.dispatcher = Dispatcher(threaded=False)
         for kind in args.ab_matmul:  # the same weights (already in the serving layout) under another matmul hook
             fused_params = llm.model.params
             del llm
