@@ -113,7 +113,7 @@ class Engine:
             rec.t_commit = now()
             result = self.runner.fetch(slot)
             rec.t_ready = now()
-            verdicts = self._advance_grammar(step_plan, result)
+            verdicts = self._advance_grammar(step_plan, result) if rec.constrained_rows else {}
             rec.t_advanced = now()
             waiting = next((s for s in self.inflight if s.awaiting_mask), None)
             if waiting is not None and self.overlap_masks:  # its masks need only the matchers: start them now
