@@ -300,3 +300,17 @@ def test_llm_freezes_its_start_up_objects_out_of_the_gc(freeze):
     assert (gc.get_freeze_count() > 0) == freeze
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("num_rows", [3, 40])  # the per-row loop and the masked assignment
+def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
+    from jphoton.engine.runner import _fill_ragged
+
+    rng = np.random.default_rng(num_rows)
+    tables = [rng.integers(0, 1000, rng.integers(0, 12)).tolist() for _ in range(num_rows)]
+    got = np.full((num_rows + 2, 12), -7, np.int32)
+    want = got.copy()
+    for i, t in enumerate(tables):
+        want[i, :len(t)] = t
+    _fill_ragged(got, tables)
+    np.testing.assert_array_equal(got, want)

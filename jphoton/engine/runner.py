@@ -334,6 +334,10 @@ class Runner:
 def _fill_ragged(out: np.ndarray, rows: list[list[int]]) -> None:
     """out[i, :len(rows[i])] = rows[i] for every i, as one masked assignment: a numpy assignment per row cost ~1.3 us
     each, most of the ~190 us that packing 128 decode rows took on the CPU here (benchmarks/host_overhead.py)."""
+    if len(rows) <= 8:  # the masked assignment's fixed cost (~10 us of numpy calls) is more than a few rows' loop
+        for i, row in enumerate(rows):
+            out[i, :len(row)] = row
+        return
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     total = int(lengths.sum())
     if total:
