@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import logging
 import os
@@ -250,6 +251,18 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     return out
 
 
+def _child_processes() -> int:
+    """Live child processes of this one (Linux /proc; 0 elsewhere)."""
+    me, n = str(os.getpid()), 0
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                n += f.read().rsplit(")", 1)[1].split()[1] == me
+        except (OSError, IndexError):
+            pass
+    return n
+
+
 # ---- output ---------------------------------------------------------------------------------------------------------
 def kv_bytes(shape_cfg: dict, batch: int, ctx: float, itemsize: int) -> float:
     return (batch * ctx * shape_cfg["num_hidden_layers"] * 2 * shape_cfg["num_key_value_heads"]
@@ -373,6 +386,8 @@ def main() -> None:
                     help="repeat the pipelined cases with these matmul kinds (models/matmul.py), same weights and run")
     ap.add_argument("--ab-dispatch-thread", action="store_true",
                     help="repeat the pipelined cases with the device calls on a dispatcher thread (engine/dispatch.py)")
+    ap.add_argument("--keep-torch-workers", action="store_true",
+                    help="leave torch.compile's worker processes running during the jphoton rows (the old behaviour)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: bfloat16 on GPU, float32 on CPU")
@@ -489,6 +504,17 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         payload["info"]["torch_gpu_bytes_after_free"] = torch.cuda.memory_reserved()
+        if not args.keep_torch_workers:  # torch.compile's worker processes outlive the compiled forwards
+            try:
+                from torch._inductor.async_compile import shutdown_compile_workers
+
+                shutdown_compile_workers()
+            except Exception as e:  # an API the installed torch lacks: say so, go on
+                log.warning("could not shut torch's compile workers down: %s", e)
+        payload["info"]["children_before_jphoton"] = _child_processes()
+        payload["info"]["loadavg_before_jphoton"] = os.getloadavg()
+        log.info("before jphoton: %d child processes, load average %s", payload["info"]["children_before_jphoton"],
+                 payload["info"]["loadavg_before_jphoton"])
 
     from benchmarks.common import device_info, read_bandwidth
 
