@@ -372,9 +372,11 @@ def merge(files: list[str], out: pathlib.Path, tag: str) -> None:
 
 
 # ---- the jphoton rows in a process of their own ------------------------------------------------------------------------
-def _handoff_dir() -> pathlib.Path:
+def _handoff_dir(nbytes: int) -> pathlib.Path:
+    """/dev/shm (memory) when it has room for the weights twice over, else the default temp dir."""
     shm = pathlib.Path("/dev/shm")
-    return pathlib.Path(tempfile.mkdtemp(prefix="vs_pytorch_", dir=shm if shm.is_dir() else None))
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes
+    return pathlib.Path(tempfile.mkdtemp(prefix="vs_pytorch_", dir=shm if roomy else None))
 
 
 def write_handoff(d: pathlib.Path, config_json: str, arrays: dict, ref: dict | None, budget_left: float, *,
@@ -693,7 +695,7 @@ def main() -> None:
 
     if jp_rows and not args.same_process:  # the jphoton rows in a fresh process (run_child)
         t = time.perf_counter()
-        d = _handoff_dir()
+        d = _handoff_dir(weight_bytes)
         try:
             left = args.time_budget - (time.perf_counter() - T0) if args.time_budget else 0.0
             write_handoff(d, config_json, arrays, ref, max(left, 1.0) if args.time_budget else 0.0,
