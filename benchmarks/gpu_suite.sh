@@ -129,12 +129,13 @@ for section in "$@"; do
       # default matmul xla vs pallas (GEMV for QKV and O), in one run
       run decode-matmul-e2e python3 benchmarks/decode_matmul.py --part e2e --batch 2 32 \
         --variants xla-fused pallas-fused --out "$OUT/decode-matmul-e2e.json" ;;
-    # issue 8 item 3: jphoton vs HF transformers on the same random bf16 weights, same prompts, same GPU, one process
+    # issue 8 item 3: jphoton vs HF transformers on the same random bf16 weights, same prompts, same GPU, one run (the
+    # jphoton rows in a child process of it)
     # (benchmarks/vs_pytorch.py: weights built in torch, handed to jphoton's HF loader in memory). One section per shape x
     # rows x B group: torch.compile compiles once per B, jphoton compiles each step shape a case needs (~30-45 s a shape
     # for the 1B cold, more for the 8B), and each script stops starting cases after --time-budget s. `vs-pytorch-report`
     # joins the sections' JSON into one table and plot ($OUT/vs_pytorch_all.{json,png}).
-    vs-pytorch-1b-b1-b32)  # both headline cases (B=1 + context 512, and B=32) with HF static in one process
+    vs-pytorch-1b-b1-b32)  # both headline cases (B=1 + context 512, and B=32) with HF static in one run
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 32 --time-budget 420 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-ab)  # the headline cases (B=1, context 512, B=32): HF static, jphoton pipelined with matmul "xla" and
@@ -147,21 +148,21 @@ for section in "$@"; do
       # large-batch cases, where the host's per-row work grows toward the device step); no HF rows
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows jphoton-pipelined --batch 32 128 --agree 0 \
         --ab-dispatch-thread --time-budget 400 --out "$OUT" --tag "$section" ;;
-    vs-pytorch-1b-b8-b128)  # B=8 and 128, HF static and jphoton pipelined in one process (no agreement check)
+    vs-pytorch-1b-b8-b128)  # B=8 and 128, HF static and jphoton pipelined in one run (no agreement check)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 8 128 \
         --agree 0 --time-budget 420 --out "$OUT" --tag "$section" ;;
-    vs-pytorch-1b-b128)  # B=128, HF static and jphoton in one process (no agreement check: the b1 sections have it)
+    vs-pytorch-1b-b128)  # B=128, HF static and jphoton in one run (no agreement check: the b1 sections have it)
       # (--gc-ab: the pipelined case again with the GC's start-up objects unfrozen, the 726 ms tick's suspect)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 128 --agree 0 --time-budget 300 --gc-ab --out "$OUT" --tag "$section" ;;
-    vs-pytorch-8b-b8)  # 8B at B=8: HF static and jphoton pipelined in one process (the 8B compiles need most of a box)
+    vs-pytorch-8b-b8)  # 8B at B=8: HF static and jphoton pipelined in one run (the 8B compiles need most of a box)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows hf-static jphoton-pipelined --batch 8 \
         --agree 0 --time-budget 200 --out "$OUT" --tag "$section" ;;
-    vs-pytorch-8b-b32-b128)  # 8B at B=32 and 128: HF static and jphoton pipelined in one process (cases past the
+    vs-pytorch-8b-b32-b128)  # 8B at B=32 and 128: HF static and jphoton pipelined in one run (cases past the
       # time budget are recorded as skipped)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 8b --rows hf-static jphoton-pipelined --batch 32 128 \
         --agree 0 --time-budget 330 --out "$OUT" --tag "$section" ;;
-    vs-pytorch-1b-b1)  # the headline case in one process: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
+    vs-pytorch-1b-b1)  # the headline case in one run: HF static vs jphoton at B=1 and context 512, ~2.5 min warm
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-blocking jphoton-pipelined \
         --batch 1 --time-budget 400 --out "$OUT" --tag "$section" ;;
     vs-pytorch-1b-hf-static|vs-pytorch-1b-hf-batch|vs-pytorch-8b-hf-batch)  # B = 1 8 32 128 and the B=1 context-512 case

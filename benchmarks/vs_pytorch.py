@@ -384,9 +384,9 @@ def write_handoff(d: pathlib.Path, config_json: str, arrays: dict, ref: dict | N
     """The weights (raw .npy, bf16 as uint16 words), HF's config.json and the agreement reference, for the child."""
     manifest = {}
     for i, (key, a) in enumerate(arrays.items()):
-        dtype = str(a.dtype)
-        np.save(d / f"{i}.npy", a.view(np.uint16) if dtype == "bfloat16" else a)
-        manifest[key] = [f"{i}.npy", dtype]
+        kind = str(a.dtype)
+        np.save(d / f"{i}.npy", a.view(np.uint16) if kind == "bfloat16" else a)
+        manifest[key] = [f"{i}.npy", kind]
     if ref is not None:
         np.savez(d / "ref.npz", **ref)
     (d / "handoff.json").write_text(json.dumps({"config": config_json, "arrays": manifest, "budget_left": budget_left,
