@@ -50,7 +50,7 @@ def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Arr
     A counter-based hash, not threefry: Gumbel-max draws one number per vocabulary entry of every row at every step, and
     threefry's 20 rounds per pair made that noise 82 us of the 1B step at B=128 on the H100 (RESULTS.md, "Where the 1B
     step goes at B=128"). Here each row gets two stream keys mixed from its 64-bit key and output index (once per row),
-    and each entry two finalizer rounds of its column index under them; the top 24 bits make the uniform. Sampling needs
+    and each entry two finalizer rounds of its column index under them; the top 23 bits make the uniform. Sampling needs
     well-spread, independent-looking uniforms, not a cryptographic generator (the distribution tests in
     tests/test_sampling.py check the draws against the softmax)."""
     kd = key_data.astype(jnp.uint32)
@@ -58,8 +58,16 @@ def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Arr
     stream_b = _fmix32(stream_a ^ jnp.uint32(0x5BD1E995))
     col = jnp.arange(logits.shape[-1], dtype=jnp.uint32)[None, :]
     h = _fmix32(_fmix32(col * jnp.uint32(_GOLDEN) + stream_a[:, None]) ^ stream_b[:, None])
-    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1): never log(0)
-    return -jnp.log(-jnp.log(u))
+    return -jnp.log(-jnp.log(_open_uniform(h)))
+
+
+def _open_uniform(h: jax.Array) -> jax.Array:
+    """uint32 hash -> float32 uniform strictly inside (0, 1), so that the Gumbel transform stays finite.
+
+    The top 23 bits plus one half: (2^23 - 0.5) needs 24 significant bits, which float32 holds exactly. With 24 bits the
+    largest hash rounded to u = 1.0, i.e. +inf noise on ~1 entry in 2^24: that entry won the unmasked argmax outright,
+    and on a grammar-masked entry (-inf + inf = NaN, which argmax picks) it emitted a token the grammar forbids."""
+    return ((h >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def sample_plain(logits: jax.Array, temperature: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Array:

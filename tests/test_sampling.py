@@ -117,3 +117,22 @@ def test_gumbel_noise_is_standard_gumbel_and_independent_across_indices_and_keys
     assert np.abs(np.stack([np.histogram(r, 10, (0, 1))[0] for r in u]) / 50_000 - 0.1).max() < 0.005
     corr = np.corrcoef(g)
     assert np.abs(corr[~np.eye(8, dtype=bool)]).max() < 0.03  # rows: other indices, other keys
+
+
+def test_noise_is_finite_at_the_ends_of_the_hash_range():
+    from jphoton.sampling import _open_uniform
+
+    h = jnp.asarray([0, 1, 511, 512, 0xFFFFFE00, 0xFFFFFFFF], jnp.uint32)
+    u = np.asarray(_open_uniform(h))
+    assert ((u > 0) & (u < 1)).all(), u
+    assert np.isfinite(-np.log(-np.log(u.astype(np.float64)))).all()
+
+
+def test_a_one_token_mask_draws_that_token_whatever_the_key():
+    """A grammar's forced token: every other entry is -inf. Over a large vocabulary and many keys and indices, no
+    noise value may turn a masked entry into the argmax (it did once, through +inf noise: -inf + inf = NaN)."""
+    n, vocab = 256, 49_152
+    logits = np.full(vocab, -np.inf, np.float32)
+    logits[1799] = -3.0
+    for seed in range(8):  # 100M noise entries: the old bug hit ~6 of them
+        assert _draw(logits, n, temperature=0.8, seed=seed)[1799] == 1.0
