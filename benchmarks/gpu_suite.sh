@@ -142,6 +142,9 @@ for section in "$@"; do
       # again with "fused" (same weights, same process)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
         --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
+    sampler-noise)  # the fused sampler alone at the 1B vocabulary, hash noise (the default since c9f4606) vs threefry,
+      # alternated in one process: the hash was chosen without a GPU number of its own
+      run "$section" python3 benchmarks/sampler_noise.py --batch 2 32 128 --vocab 128256 --out "$OUT/$section.json" ;;
     host-overhead)  # the engine's host work per decode tick without a device (plan + pack, commit) at B = 1, 32, 128
       run "$section" python3 benchmarks/host_overhead.py --batch 1 32 128 --out "$OUT" ;;
     vs-pytorch-1b-host)  # B=32 and 128 pipelined beside the step back to back, then with the dispatcher thread (the

@@ -31,3 +31,10 @@ def test_host_overhead_runs_the_real_scheduler_without_a_device():
     row = run(batch=4, ticks=40, seed=0)
     assert row["decode_ticks"] > 10  # full decode steps happened between the replacements' prefills
     assert 0 < row["plan_us"] < 1e5 and 0 < row["commit_us"] < 1e5
+
+
+def test_sampler_noise_benchmark_times_both_noise_sources():
+    from benchmarks.sampler_noise import run
+
+    (row,) = run([4], vocab=300, reps=2, rounds=1)
+    assert row["hash_us"] > 0 and row["threefry_us"] > 0 and row["hash_over_threefry"] > 0
