@@ -86,6 +86,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
+from benchmarks.vs_pytorch_handoff import handoff_dir, read_handoff, write_handoff  # noqa: E402
 from benchmarks.vs_pytorch_hf import (  # noqa: E402
     SHAPES,
     build_hf_model,
@@ -94,10 +95,10 @@ from benchmarks.vs_pytorch_hf import (  # noqa: E402
     hf_static_case,
     torch_state_to_host,
 )
+from benchmarks.vs_pytorch_report import ROWS, add_floor, merge, plot, table, write  # noqa: E402
 
 log = logging.getLogger("vs_pytorch")
 
-ROWS = ("hf-static", "hf-batch", "jphoton-blocking", "jphoton-pipelined")
 JPHOTON_PRESET = {"1b": "llama3.2-1b", "8b": "llama3-8b"}  # the random:NAME shapes the other benchmarks use
 
 
@@ -272,139 +273,7 @@ def _child_processes() -> int:
     return n
 
 
-# ---- output ---------------------------------------------------------------------------------------------------------
-def kv_bytes(shape_cfg: dict, batch: int, ctx: float, itemsize: int) -> float:
-    return (batch * ctx * shape_cfg["num_hidden_layers"] * 2 * shape_cfg["num_key_value_heads"]
-            * shape_cfg["head_dim"] * itemsize)
-
-
-def add_floor(r: dict, weight_bytes: int, shape_cfg: dict, bw: float, itemsize: int) -> None:
-    """floor = (weights + KV at the mean context of the case) / read bandwidth; step / floor."""
-    if r.get("ms_step"):
-        ctx = r["prompt_len"] + r["new_tokens"] / 2
-        r["floor_ms"] = 1e3 * (weight_bytes + kv_bytes(shape_cfg, r["batch"], ctx, itemsize)) / bw
-        r["step_over_floor"] = r["ms_step"] / r["floor_ms"]
-
-
-def table(results: list[dict]) -> str:
-    head = ("| shape | row | case | B | ms/step | decode tok/s | tok/s (e2e) | TTFT ms | floor ms | step/floor |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
-    order = {r: i for i, r in enumerate(ROWS)}
-    for r in sorted(results, key=lambda r: (r["shape"], r["case"].startswith("ctx"), r["batch"], order.get(r["row"], 9))):
-        if "error" in r or "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['row']} | {r['case']} | {r['batch']} | "
-                         f"{'error: ' + r['error'][:60] if 'error' in r else 'skipped: ' + r['skipped']} "
-                         "| | | | | |")
-            continue
-
-        def f(v, fmt):
-            return "-" if v is None else format(v, fmt)
-
-        lines.append(f"| {r['shape']} | {r['row']} | {r['case']} | {r['batch']} | {f(r['ms_step'], '.3f')} | "
-                     f"{f(r.get('decode_tok_s'), ',.0f')} | {f(r['tok_s'], ',.0f')} | {f(r['ttft_ms'], '.1f')} | "
-                     f"{f(r.get('floor_ms'), '.3f')} | {f(r.get('step_over_floor'), '.2f')} |")
-    return "\n".join(lines)
-
-
-def plot(path: pathlib.Path, results: list[dict]) -> bool:
-    try:
-        import matplotlib
-    except ImportError:  # the CPU smoke run's environment; the GPU image has it
-        log.warning("matplotlib is not installed: no plot written (%s)", path)
-        return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if "ms_step" in r and not r["case"].startswith("ctx")]
-    shapes = sorted({r["shape"] for r in ok})
-    if not shapes:
-        return False
-    fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False)
-    for j, shape in enumerate(shapes):
-        for row in ROWS:
-            pts = sorted((r["batch"], r["ms_step"], r["decode_tok_s"]) for r in ok if r["shape"] == shape and r["row"] == row)
-            if pts:
-                b, ms, tps = zip(*pts, strict=True)
-                color = f"C{ROWS.index(row)}"  # one colour per row in every panel
-                axes[0, j].plot(b, ms, "o-", color=color, label=row)
-                axes[1, j].plot(b, tps, "o-", color=color, label=row)
-        floor = sorted((r["batch"], r["floor_ms"]) for r in ok if r["shape"] == shape and r.get("floor_ms")
-                       and r["row"].startswith("jphoton"))
-        if floor:
-            b, fl = zip(*dict(floor).items(), strict=True)
-            axes[0, j].plot(b, fl, "k--", label="HBM floor")
-        axes[0, j].set_title(f"{shape}: ms per decode step (lower is better)")
-        axes[1, j].set_title(f"{shape}: decode tok/s = B / ms per step")
-        for ax in axes[:, j]:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("batch B")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
-
-
-def write(out: pathlib.Path, tag: str, payload: dict) -> pathlib.Path:
-    from benchmarks.common import write_json
-
-    p = out / f"vs_pytorch_{tag}.json"
-    write_json(p, payload)
-    return p
-
-
-def merge(files: list[str], out: pathlib.Path, tag: str) -> None:
-    results, meta = {}, []
-    for f in files:
-        d = json.loads(pathlib.Path(f).read_text())
-        meta.append({k: d.get(k) for k in ("info", "args", "read_bandwidth_Bps", "agreement", "handoff")})
-        for r in d.get("results", []):
-            if "floor_ms" not in r and d.get("read_bandwidth_Bps"):  # a run cut off before its summary
-                add_floor(r, d["weight_bytes"], d["shape_config"], d["read_bandwidth_Bps"], d.get("itemsize", 2))
-            results[(r["shape"], r["row"], r["case"])] = r  # later files win
-    rows = list(results.values())
-    write(out, tag, {"sections": meta, "results": rows})
-    print(table(rows))
-    plot(out / f"vs_pytorch_{tag}.png", rows)
-
-
 # ---- the jphoton rows in a process of their own ------------------------------------------------------------------------
-def _handoff_dir(nbytes: int) -> pathlib.Path:
-    """/dev/shm (memory) when it has room for the weights twice over, else the default temp dir."""
-    shm = pathlib.Path("/dev/shm")
-    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes
-    return pathlib.Path(tempfile.mkdtemp(prefix="vs_pytorch_", dir=shm if roomy else None))
-
-
-def write_handoff(d: pathlib.Path, config_json: str, arrays: dict, ref: dict | None, budget_left: float, *,
-                  dtype: str, weight_bytes: int) -> None:
-    """The weights (raw .npy, bf16 as uint16 words), HF's config.json and the agreement reference, for the child."""
-    manifest = {}
-    for i, (key, a) in enumerate(arrays.items()):
-        kind = str(a.dtype)
-        np.save(d / f"{i}.npy", a.view(np.uint16) if kind == "bfloat16" else a)
-        manifest[key] = [f"{i}.npy", kind]
-    if ref is not None:
-        np.savez(d / "ref.npz", **ref)
-    (d / "handoff.json").write_text(json.dumps({"config": config_json, "arrays": manifest, "budget_left": budget_left,
-                                               "dtype": dtype, "weight_bytes": weight_bytes}))
-
-
-def read_handoff(d: pathlib.Path) -> tuple[str, dict, dict | None, dict]:
-    import ml_dtypes
-
-    h = json.loads((d / "handoff.json").read_text())
-    arrays = {}
-    for key, (name, dtype) in h["arrays"].items():
-        a = np.load(d / name)  # a transposed view was saved in Fortran order and comes back as one
-        arrays[key] = a.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
-    ref = dict(np.load(d / "ref.npz")) if (d / "ref.npz").exists() else None
-    return h["config"], arrays, ref, h
-
-
 def run_child(d: pathlib.Path, timeout: float) -> dict:
     """This script again, `--jphoton-child d` and the same arguments: the jphoton rows in a fresh process (no torch
     state; RESULTS.md 2026-11-24: the same jphoton step ran 5-6% slower in a process where HF's compiled generate had
@@ -695,7 +564,7 @@ def main() -> None:
 
     if jp_rows and not args.same_process:  # the jphoton rows in a fresh process (run_child)
         t = time.perf_counter()
-        d = _handoff_dir(weight_bytes)
+        d = handoff_dir(weight_bytes)
         try:
             left = args.time_budget - (time.perf_counter() - T0) if args.time_budget else 0.0
             write_handoff(d, config_json, arrays, ref, max(left, 1.0) if args.time_budget else 0.0,

@@ -7,7 +7,7 @@ import numpy as np
 
 
 def test_vs_pytorch_handoff_round_trips_arrays_config_and_reference(tmp_path):
-    from benchmarks.vs_pytorch import read_handoff, write_handoff
+    from benchmarks.vs_pytorch_handoff import read_handoff, write_handoff
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=(6, 4)).astype(ml_dtypes.bfloat16)
