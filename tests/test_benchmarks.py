@@ -38,3 +38,17 @@ def test_sampler_noise_benchmark_times_both_noise_sources():
 
     (row,) = run([4], vocab=300, reps=2, rounds=1)
     assert row["hash_us"] > 0 and row["threefry_us"] > 0 and row["hash_over_threefry"] > 0
+
+
+def test_sampler_noise_variants_really_swap_the_noise():
+    """The hash variant is the engine's sampler; the threefry one draws other tokens (one trace per variant)."""
+    import jax.numpy as jnp
+
+    from benchmarks.sampler_noise import NOISE, sampler
+    from jphoton.sampling import sample_plain, seed_key_data
+
+    n = 64
+    args = (jnp.zeros((n, 1000)), jnp.ones(n), jnp.asarray(seed_key_data(np.arange(n))), jnp.arange(n, dtype=jnp.int32))
+    hashed, threefry = (np.asarray(sampler(NOISE[k], args)(*args)) for k in ("hash", "threefry"))
+    np.testing.assert_array_equal(hashed, np.asarray(sample_plain(*args)))
+    assert (hashed != threefry).mean() > 0.9
