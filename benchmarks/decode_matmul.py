@@ -268,11 +268,17 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
+    merge = not matmul.endswith("/nomerge")  # "/nomerge": the attention's splits merged by XLA, not in the kernel
+    matmul = matmul.removesuffix("/nomerge")
     if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
         from jphoton.models.matmul import XlaMatmul
 
         matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+    from pallas_kernels import paged_decode_attention as pda
+
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(mock.patch.object(pda, "MAX_KERNEL_COMBINE", pda.MAX_KERNEL_COMBINE if merge else 1))
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
                              fuse=layout == "fused")
@@ -297,6 +303,8 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         rows.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:300]})
         print(f"e2e {variant} FAILED: {e}", flush=True)
         traceback.print_exc()
+    finally:
+        stack.close()
     return rows
 
 
@@ -316,8 +324,9 @@ def main() -> None:
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused), "
-                         "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
+                    help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused|"
+                         "finish), xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), "
+                         "optionally + '/nomerge' (attention splits merged by XLA, not in the kernel), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
@@ -335,8 +344,8 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused")
-        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
+        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish")
+        if v.rsplit("-", 1)[0].removesuffix("/nomerge") not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

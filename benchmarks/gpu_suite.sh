@@ -142,6 +142,19 @@ for section in "$@"; do
       # again with "fused" (same weights, same process)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
         --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
+    split-finish)  # the GEMVs finished by their last program (QKV + RoPE; O / down + residual + RMSNorm) and the
+      # attention's in-kernel split merge: correctness on the GPU (repeat calls bit-identical, counters zero, vs the XLA
+      # path), then the 1B step at B = 2, 8, 16 with each on and off (matmul "finish" vs "fused", "/nomerge")
+      run split-finish-check python3 benchmarks/probes/split_finish_check.py --out "$OUT/split-finish-check.json"
+      run split-finish python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 --variants fused/nomerge-fused \
+        fused-fused finish/nomerge-fused finish-fused fused/nomerge-fused --out "$OUT/split-finish.json" ;;
+    kernel-profile-finish)  # kernel-profile-quick with matmul "finish" at B = 2 and 16
+      run kernel-profile-finish python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 16:0 \
+        --llm-args "matmul='finish'" --out "$OUT/kernel-profile-finish.json" ;;
+    vs-pytorch-1b-finish)  # the headline cases (B=1, context 512, B=32): HF static, jphoton pipelined with matmul
+      # "fused" and again with "finish" (same weights, same process)
+      run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
+        --matmul fused --ab-matmul finish --time-budget 420 --out "$OUT" --tag "$section" ;;
     sampler-noise)  # the fused sampler alone at the 1B vocabulary, hash noise (the default since c9f4606) vs threefry,
       # alternated in one process: the hash was chosen without a GPU number of its own
       run "$section" python3 benchmarks/sampler_noise.py --batch 2 32 128 --vocab 128256 --out "$OUT/$section.json" ;;

@@ -29,3 +29,58 @@ def log_once(log: logging.Logger, key, msg: str, *args) -> None:
     if key not in _logged:
         _logged.add(key)
         log.info(msg, *args)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# "The last program finishes": split work that needs a whole sum (split-K, split attention) merged inside the kernel
+# instead of by a second kernel. Every program stores its partial, then arrives at a counter; the one that arrives
+# last (an atomic add's old value) merges the partials and resets the counter, so a kernel leaves its counters zero.
+# On the H100 the merge kernels this replaces cost ~1.2-2 us each, mostly launch and ramp (RESULTS.md); the merge here
+# costs one atomic round trip plus L2 reads, in a program that is already running.
+
+
+def arrive_last(counters_ref, index, arrivals: int, finish, *, interpret: bool) -> None:
+    """Arrive at counters_ref[index]; the program that makes it `arrivals` runs finish() after resetting it to 0.
+
+    The barrier first: the atomic is issued by one thread of the program, and its release ordering only covers the
+    stores of that thread, so all threads' partial stores must be ordered before it (Triton inserts no barrier for
+    global memory). The atomic is acquire-release at GPU scope (jax's Triton lowering), so the last program's loads see
+    every earlier arrival's stores."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    index = jnp.asarray(index, jnp.int32)  # a Python int would not index in interpret mode
+    if not interpret:  # interpret mode runs programs one after another (and has no barrier primitive)
+        plgpu.debug_barrier()
+    old = plgpu.atomic_add(counters_ref, (index,), jnp.int32(1))
+
+    @pl.when(old == arrivals - 1)
+    def _():
+        # every arrival is in, so nothing races this; an add because interpret mode has no atomic exchange
+        plgpu.atomic_add(counters_ref, (index,), jnp.int32(-arrivals))
+        finish()
+
+
+class Semaphores:
+    """Zeroed int32 counters for `arrive_last` kernels, made once per traced step and threaded from kernel to kernel
+    (each takes the array as an aliased input and returns it, zero again), so a step pays one small memset instead of
+    one per kernel. Trace-local: create one per forward trace, never keep one across traces."""
+
+    SIZE = 4096
+
+    def __init__(self):
+        self._array = None
+
+    def take(self, n: int):
+        import jax.numpy as jnp
+
+        if n > self.SIZE:  # a kernel wider than the shared array gets zeros of its own
+            return jnp.zeros((n,), jnp.int32)
+        if self._array is None:
+            self._array = jnp.zeros((self.SIZE,), jnp.int32)
+        return self._array
+
+    def give(self, array) -> None:
+        if array.shape == (self.SIZE,):
+            self._array = array

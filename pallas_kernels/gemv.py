@@ -109,12 +109,38 @@ def _load(ref, mask):
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
 
+def dot_k_loop(x_ref, w_ref, layer, col_starts, nmask, k_begin, *, M, Mp, K, BN, BK, chunks, masked, unroll):
+    """The bandwidth loop of a program: for each column start c in `col_starts`, the fp32 sums
+    x[:, k_begin : k_begin + chunks * BK] @ W[layer, those rows, c : c + BN] as an [Mp, BN] tile (rows past M are
+    zeros; columns where `nmask` is False read zeros). W is [L, K, N]; its [BK, BN] tiles (rows contiguous along N) and
+    the activation tile feed `pl.dot`-style tensor-core dots, nothing else inside the loop: elementwise work on the
+    activation tile there (RMSNorm or SwiGLU prologues, measured in an earlier version) made the kernel 1.6-2.1x slower
+    on the H100 (RESULTS.md)."""
+    rows = jnp.arange(Mp, dtype=jnp.int32) < M
+    dims = (((1,), (0,)), ((), ()))
+
+    def body(i, accs):
+        k0 = k_begin + i * BK
+        kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
+        tile_mask = kmask[:, None] & nmask[None, :] if masked else None
+        ws = [_load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(c, BN)], tile_mask) for c in col_starts]
+        x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
+        x = x.astype(ws[0].dtype)
+        return tuple(a + jax.lax.dot_general(x, w, dims, precision=jax.lax.Precision.HIGHEST,
+                                             preferred_element_type=jnp.float32) for a, w in zip(accs, ws, strict=True))
+
+    accs = tuple(jnp.zeros((Mp, BN), jnp.float32) for _ in col_starts)
+    if unroll:
+        for i in range(chunks):
+            accs = body(jnp.int32(i), accs)
+        return accs
+    return jax.lax.fori_loop(0, chunks, body, accs)
+
+
 def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks, split, transposed, fma, unroll,
                  mask_k, mask_n, glu, split_out):
     # Triton-friendly: every aranged extent is a power of two, every mask has the full shape of its tile, and the fma
     # mode keeps one [BN] accumulator per row (a tuple carry) instead of stacking rows into a non-power-of-two tile.
-    # Nothing but loads feeds the dot inside the K loop: elementwise work on the activation tile there (RMSNorm or
-    # SwiGLU prologues, measured in an earlier version) made the kernel 1.6-2.1x slower on the H100 (RESULTS.md).
     j, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = j * BN
@@ -123,51 +149,39 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks,
     masked = mask_k or mask_n
     rows = jnp.arange(Mp, dtype=jnp.int32) < M
 
-    def x_tile(k0, kmask):
-        """[Mp, BK] of x at k0 (rows past M are zeros)."""
-        return plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
-
-    def body(i, acc):
-        k0 = k_begin + i * BK
-        kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
-        if glu:  # W [K, 2N] = [gate | up]: this program's gate columns and the matching up columns, two accumulators
-            tile_mask = kmask[:, None] & nmask[None, :] if masked else None
-            wg = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)], tile_mask)
-            wu = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(N + n0, BN)], tile_mask)
-            x = x_tile(k0, kmask).astype(wg.dtype)
-            dims = (((1,), (0,)), ((), ()))
-            dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, precision=jax.lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32)
-            return acc[0] + dot(x, wg), acc[1] + dot(x, wu)
-        if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
-            w = _load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)], nmask[:, None] & kmask[None, :] if masked else None)
-        else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
-            w = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)], kmask[:, None] & nmask[None, :] if masked else None)
-        if fma:  # M <= 8 rows, each a [BK] slice of x, multiplied and reduced in fp32
-            wf = w.astype(jnp.float32)
-            out = []
-            for r in range(M):
-                xr = _load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], kmask if mask_k else None)
-                xr = xr.astype(jnp.float32)
-                part = jnp.sum(wf * xr[None, :], axis=1) if transposed else jnp.sum(wf * xr[:, None], axis=0)
-                out.append(acc[r] + part)
-            return tuple(out)
-        x = x_tile(k0, kmask)
-        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        return acc + jax.lax.dot_general(x.astype(w.dtype), w, dims, precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=jnp.float32)
-
-    if fma:
-        acc = tuple(jnp.zeros((BN,), jnp.float32) for _ in range(M))
-    elif glu:
-        acc = (jnp.zeros((Mp, BN), jnp.float32), jnp.zeros((Mp, BN), jnp.float32))
+    if not (fma or transposed):  # W [K, N] (or [K, 2N] = [gate | up] with glu: two accumulators)
+        accs = dot_k_loop(x_ref, w_ref, layer, (n0, N + n0) if glu else (n0,), nmask, k_begin, M=M, Mp=Mp, K=K,
+                          BN=BN, BK=BK, chunks=chunks, masked=masked, unroll=unroll)
+        acc = accs if glu else accs[0]
     else:
-        acc = jnp.zeros((Mp, BN), jnp.float32)
-    if unroll:
-        for i in range(chunks):
-            acc = body(jnp.int32(i), acc)
-    else:
-        acc = jax.lax.fori_loop(0, chunks, body, acc)
+        def body(i, acc):
+            k0 = k_begin + i * BK
+            kmask = k0 + jnp.arange(BK, dtype=jnp.int32) < K
+            if transposed:  # W [N, K]: a [BN, BK] tile, rows contiguous along K
+                w = _load(w_ref.at[layer, pl.ds(n0, BN), pl.ds(k0, BK)],
+                          nmask[:, None] & kmask[None, :] if masked else None)
+            else:  # W [K, N]: a [BK, BN] tile, rows contiguous along N
+                w = _load(w_ref.at[layer, pl.ds(k0, BK), pl.ds(n0, BN)],
+                          kmask[:, None] & nmask[None, :] if masked else None)
+            if fma:  # M <= 8 rows, each a [BK] slice of x, multiplied and reduced in fp32
+                wf = w.astype(jnp.float32)
+                out = []
+                for r in range(M):
+                    xr = _load(x_ref.at[jnp.int32(r), pl.ds(k0, BK)], kmask if mask_k else None)
+                    xr = xr.astype(jnp.float32)
+                    part = jnp.sum(wf * xr[None, :], axis=1) if transposed else jnp.sum(wf * xr[:, None], axis=0)
+                    out.append(acc[r] + part)
+                return tuple(out)
+            x = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(k0, BK)], mask=rows[:, None] & kmask[None, :], other=0.0)
+            return acc + jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
+                                             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+        acc = tuple(jnp.zeros((BN,), jnp.float32) for _ in range(M)) if fma else jnp.zeros((Mp, BN), jnp.float32)
+        if unroll:
+            for i in range(chunks):
+                acc = body(jnp.int32(i), acc)
+        else:
+            acc = jax.lax.fori_loop(0, chunks, body, acc)
 
     def out_ref(*rows):
         return o_ref.at[(s, *rows, pl.ds(n0, BN))] if split_out else o_ref.at[(*rows, pl.ds(n0, BN))]

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once
+from pallas_kernels.common import Semaphores, arrive_last, log_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -68,6 +68,8 @@ log = logging.getLogger("jphoton.kernels")
 
 NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
 NUM_SMS = 132  # H100 SXM; only shapes the default split count
+# Most splits merged inside the kernel (the last split loads every partial at once, unrolled); more go to `_combine`.
+MAX_KERNEL_COMBINE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +126,14 @@ def path_name(interpret: bool | None = None) -> str:
 
 
 def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
-            window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
+            window, scale, pv_dtype, precision, write, k_off=0, v_off=0, combine=False, interpret=False):
+    refs = list(refs)
     if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
-        kn_ref, vn_ref, *out_refs, k_out_ref, v_out_ref = refs
+        kn_ref, vn_ref = refs[:2]
+        k_out_ref, v_out_ref = refs[-2:]
+        refs = refs[2:-2]
+    if combine:  # counters in (aliased to ctr_ref); the merged output and the counters out, after the partials
+        _, *out_refs, o_ref, ctr_ref = refs
     else:
         out_refs = refs
     r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -201,6 +208,21 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
         plgpu.store(acc_ref.at[r, h, s, pl.ds(0, Gp), pl.ds(0, HD)], acc)
         plgpu.store(m_ref.at[r, h, s, pl.ds(0, Gp)], m)
         plgpu.store(l_ref.at[r, h, s, pl.ds(0, Gp)], l)
+        if combine:
+            def merge():  # the last split of (r, h): `_combine` on its S partials (static loop: loads issued together)
+                parts = [(plgpu.load(m_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp)]),
+                          plgpu.load(l_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp)]),
+                          plgpu.load(acc_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp), pl.ds(0, HD)])) for i in range(S)]
+                m_all = functools.reduce(jnp.maximum, [p[0] for p in parts])
+                l_all, acc_all = jnp.zeros_like(m_all), jnp.zeros((Gp, HD), jnp.float32)
+                for m_i, l_i, acc_i in parts:  # empty splits: m = NEG, l = 0, acc = 0 -> they add nothing
+                    w = jnp.exp(m_i - m_all)
+                    l_all, acc_all = l_all + l_i * w, acc_all + acc_i * w[:, None]
+                out = acc_all / jnp.maximum(l_all, 1e-30)[:, None]
+                plgpu.store(o_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], out.astype(o_ref.dtype),
+                            mask=gmask[:, None] & dmask[None, :])
+
+            arrive_last(ctr_ref, r * pl.num_programs(1) + h, S, merge, interpret=interpret)
 
 
 def _combine(acc, m, l, G: int, hd: int, out_dtype) -> jax.Array:
@@ -258,7 +280,8 @@ def _layer_array(layer) -> jax.Array:
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
                            sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
-                           config: PagedDecodeConfig | None = None, interpret: bool | None = None):
+                           config: PagedDecodeConfig | None = None, semaphores: Semaphores | None = None,
+                           interpret: bool | None = None):
     """Decode attention of one query token per row over the paged KV cache.
 
     q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
@@ -299,7 +322,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     S, BC = cfg.splits, cfg.block_tokens
     Gp, HD = max(16, _pow2(G)), max(16, _pow2(hd))
     interp = _use_interpret(interpret)
-    what = f"R={R} splits={S}"
+    combine = semaphores is not None and 1 < S <= MAX_KERNEL_COMBINE
+    what = f"R={R} splits={S}" + (", merged in the kernel" if combine else "")
     if write:
         what += ", current token's KV written in the kernel" + (" (packed q|k|v)" if packed else "")
     _log_path(interp, what)
@@ -308,7 +332,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
-        v_off=Hq + Hkv if packed else 0)
+        v_off=Hq + Hkv if packed else 0, combine=combine, interpret=interp)
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
@@ -316,11 +340,17 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32),
                      jax.ShapeDtypeStruct((R, Hkv, S, Gp), jnp.float32)]
     args = [_layer_array(layer), block_table.astype(jnp.int32), ctx_len.astype(jnp.int32), qkv, k_pool, v_pool]
-    aliases = {}
-    if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
-        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
-        out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
+    if write:
         args += [qkv, qkv] if packed else [k_new, v_new]
+    aliases = {}
+    if combine:  # the counters: input -> output, left zero
+        ctr = semaphores.take(R * Hkv)
+        aliases[len(args)] = len(out_shape) + 1
+        args.append(ctr)
+        out_shape += [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype), jax.ShapeDtypeStruct(ctr.shape, jnp.int32)]
+    if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
+        aliases.update({4: len(out_shape), 5: len(out_shape) + 1})
+        out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
         out = pl.pallas_call(
@@ -330,11 +360,15 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
             input_output_aliases=aliases,
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}",
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}{'_C' if combine else ''}",
         )(*args)
     if write:
         *out, k_pool, v_pool = out
-    result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)
+    if combine:
+        *_, result, ctr = out
+        semaphores.give(ctr)
+    else:
+        result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)
     return (result, (k_pool, v_pool)) if write else result
 
 

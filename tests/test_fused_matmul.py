@@ -70,6 +70,17 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
         np.testing.assert_allclose(h, ref_h2, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(logits, ref_logits2, rtol=1e-4, atol=1e-4)
 
+    # "finish": QKV + RoPE and the residual adds + norms in the GEMVs' last programs (a power-of-two head_dim)
+    c16 = cfg.replace(head_dim=16)
+    p16 = _random(c16)
+    ref16 = _hidden(p16, c16, tokens)
+    mm = make("finish", interpret=True)
+    for c, p, ref in ((c16, p16, ref16), (c16.replace(o_bias=False), _drop(p16, "bo"), None)):
+        ref = ref or _hidden(p, c, tokens)
+        for got, want in zip(_hidden(jax.tree_util.tree_map(jnp.asarray, llama.fuse_params(c, p)), c, tokens, mm,
+                                     unroll=True), ref, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict
     assert "wq" not in consumed["layers"] and "w_up" not in consumed["layers"]
@@ -102,11 +113,11 @@ def test_engine_greedy_tokens_with_pallas_matmul_match_xla_and_hf():
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
     tokens = {}
     # "fused" below 17 rows + the residual kernel from one row: every GEMV epilogue and the add + RMSNorm kernel
-    for kind in ("xla", "pallas", "fused", XlaMatmul(glu_gemv=True, residual_gemv=True)):
-        llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False)
+    for kind in ("xla", "pallas", "fused", XlaMatmul(glu_gemv=True, residual_gemv=True), "finish"):
+        llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False, unroll_layers=kind == "finish")
         assert "wqkv" in llm.model.params["layers"]
         # one-row decode steps run as two rows (one padding row per step instead of a pad inside every matmul)
         assert llm.engine.scheduler.config.decode_buckets == (2, 8)
         tokens[str(kind)] = [o.token_ids for o in llm.generate(prompts, greedy)]
     want = [t.tolist() for _, t, _ in ref]
-    assert all(t == want for t in tokens.values()) and len(tokens) == 4
+    assert all(t == want for t in tokens.values()) and len(tokens) == 5

@@ -126,7 +126,14 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    def attend(q, k, v, kv, layer):
+    # Counters for the attention kernel's in-kernel split merge, one zeroed array per traced step (common.Semaphores)
+    sems = None
+    if kernel_writes:
+        from pallas_kernels.common import Semaphores
+
+        sems = Semaphores()
+
+    def attend(q, k, v, kv, layer, packed=None):
         k_pool, v_pool = kv
         first = Bd if kernel_writes else 0  # tokens from here on have their KV written by a scatter
         if shape.tokens > first:
@@ -136,10 +143,14 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         if kernel_writes:
             # q, k, v of the decode rows as one array the kernel reads by head offset: XLA builds it in one fusion
             # with the model's RoPE, where three separate operands would each be copied out by a kernel of their own
-            qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
+            # with RoPE (or, `packed`, the matmul hook's one kernel made it so)
+            if packed is not None:
+                qkv = packed if shape.tokens == Bd else packed[:Bd]
+            else:
+                qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
             out, (k_pool, v_pool) = paged_decode_attention(
                 qkv, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                sliding_window=static.sliding_window, new_kv="packed")
+                sliding_window=static.sliding_window, new_kv="packed", semaphores=sems)
             parts.append(out)
         elif Bd:
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])

@@ -34,6 +34,7 @@ matrices alone (QKV 1.85x) but XLA fused the norms and adds around its dots, whi
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -41,10 +42,11 @@ import jax
 import jax.numpy as jnp
 
 from jphoton.models.layers import dense, rms_norm, silu_mul
+from pallas_kernels.common import log_once
 
 log = logging.getLogger("jphoton")
 
-KINDS = ("auto", "xla", "xla-plain", "pallas", "fused")
+KINDS = ("auto", "xla", "xla-plain", "pallas", "fused", "finish")
 # "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
 GPU_DEFAULT = "fused"
 # Most tokens in a step for which "pallas" and "fused" use the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
@@ -58,6 +60,8 @@ PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
 # +1.1 / +0.6 / +0.5% per step at 2 / 8 / 16 rows and -2.1% at 32 (the kernel costs 2.3-3.2 us per call whatever the
 # row count, ~1 us more than expected; XLA's kernels grow with the rows).
 FUSED_RESIDUAL_MIN_ROWS = 17
+# Most tokens in a step whose QKV and O / down GEMVs finish their consumers in the kernel (gemv_split_finish.py).
+SPLIT_FINISH_MAX_ROWS = 16
 
 
 def resolve(kind: str) -> str:
@@ -124,6 +128,17 @@ class PlainMatmul:
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
 
+    def for_forward(self, unrolled: bool) -> PlainMatmul:
+        """The hook one forward trace uses (models/llama.py `forward`): kernels that share per-step state (counters)
+        get a fresh copy here; plain hooks are stateless."""
+        return self
+
+    def qkv_rope(self, cfg, h: jax.Array, stacked: dict, layer, positions: jax.Array,
+                 inv_freq: jax.Array) -> jax.Array | None:
+        """q|k|v heads with RoPE applied, packed [..., Hq + 2 Hkv, hd], from one kernel; or None: the model then runs
+        the projection, RoPE and the split itself."""
+        return None
+
 
 class XlaMatmul(PlainMatmul):
     """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
@@ -139,14 +154,18 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 interpret: bool | None = None):
+                 split_finish: bool = False, interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
+        self.split_finish = split_finish
         self.interpret = interpret
-        gemvs = [what for what, on in (("gate+up with SwiGLU", glu_gemv),
-                                       (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)",
-                                        residual_gemv)) if on]
+        self._sems = None  # a Semaphores in the copy `for_forward` hands to one unrolled forward trace
+        gemvs = [what for what, on in (
+            ("gate+up with SwiGLU", glu_gemv),
+            (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv),
+            (f"QKV + RoPE and O / down + residual + RMSNorm finished by the GEMV's last program (<= "
+             f"{SPLIT_FINISH_MAX_ROWS} tokens, unrolled layers)", split_finish)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
@@ -155,12 +174,48 @@ class XlaMatmul(PlainMatmul):
         was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
         return two_row_dot(x, w)
 
+    def for_forward(self, unrolled: bool) -> PlainMatmul:
+        """With split_finish and an unrolled layer loop, a copy holding this trace's counters (one zeroed array per
+        step, threaded through every kernel). A scanned loop would carry them through the scan; not done: it keeps
+        the kernels of the other options (logged once)."""
+        if not self.split_finish:
+            return self
+        if not unrolled:
+            log_once(log, ("split_finish", "scan"), "split-finish GEMVs need the unrolled layer loop: a scanned "
+                     "forward runs without them")
+            return self
+        from pallas_kernels.common import Semaphores
+
+        bound = copy.copy(self)
+        bound._sems = Semaphores()
+        return bound
+
+    def _finishing(self, rows: int) -> bool:
+        return self._sems is not None and rows <= SPLIT_FINISH_MAX_ROWS
+
+    def qkv_rope(self, cfg, h, stacked, layer, positions, inv_freq):
+        hd = cfg.head_dim
+        if "wqkv" not in stacked or cfg.qk_norm or hd < 16 or hd & (hd - 1) or not self._finishing(_rows(h)):
+            return None  # the kernel's column blocks hold whole heads of a power-of-two size; no qk-norm in it
+        from pallas_kernels.gemv_split_finish import qkv_rope
+
+        out = qkv_rope(h.reshape(-1, h.shape[-1]), stacked["wqkv"], layer, positions.reshape(-1), inv_freq,
+                       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       bias=stacked.get("bqkv"), semaphores=self._sems, interpret=self.interpret)
+        return out.reshape(*h.shape[:-1], *out.shape[1:])
+
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
             return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
         return super().glu(x, w, stacked, layer)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
+        if bias is None and self._finishing(_rows(y)):
+            from pallas_kernels.gemv_split_finish import residual_norm
+
+            h2, normed = residual_norm(h.reshape(-1, h.shape[-1]), y.reshape(-1, y.shape[-1]), stacked, layer,
+                                       norm_stack, eps=eps, semaphores=self._sems, interpret=self.interpret)
+            return h2.reshape(h.shape), normed.reshape(h.shape)
         if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
             from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
@@ -213,6 +268,6 @@ def make(kind, interpret: bool | None = None) -> PlainMatmul:
         return PlainMatmul()
     if kind == "pallas":
         return PallasMatmul(interpret=interpret)
-    fused = kind == "fused"
+    fused = kind in ("fused", "finish")
     return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                     interpret=interpret)
+                     split_finish=kind == "finish", interpret=interpret)
