@@ -268,8 +268,8 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
-    merge = not matmul.endswith("/nomerge")  # "/nomerge": the attention's splits merged by XLA, not in the kernel
-    matmul = matmul.removesuffix("/nomerge")
+    merge = matmul.endswith("/merge")  # "/merge": the attention's splits merged in the kernel, not by XLA
+    matmul = matmul.removesuffix("/merge")
     if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
         from jphoton.models.matmul import XlaMatmul
 
@@ -278,7 +278,7 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
 
     stack = contextlib.ExitStack()
     try:
-        stack.enter_context(mock.patch.object(pda, "MAX_KERNEL_COMBINE", pda.MAX_KERNEL_COMBINE if merge else 1))
+        stack.enter_context(mock.patch.object(pda, "ENGINE_MERGES_SPLITS", merge))
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
                              fuse=layout == "fused")
@@ -326,7 +326,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused|"
                          "finish), xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), "
-                         "optionally + '/nomerge' (attention splits merged by XLA, not in the kernel), LAYOUT "
+                         "optionally + '/merge' (attention splits merged in the kernel, not by XLA), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
@@ -345,7 +345,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish")
-        if v.rsplit("-", 1)[0].removesuffix("/nomerge") not in matmuls or not v.endswith(("-unfused", "-fused")):
+        if v.rsplit("-", 1)[0].removesuffix("/merge") not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

@@ -144,10 +144,10 @@ for section in "$@"; do
         --matmul xla --ab-matmul fused --time-budget 420 --out "$OUT" --tag "$section" ;;
     split-finish)  # the GEMVs finished by their last program (QKV + RoPE; O / down + residual + RMSNorm) and the
       # attention's in-kernel split merge: correctness on the GPU (repeat calls bit-identical, counters zero, vs the XLA
-      # path), then the 1B step at B = 2, 8, 16 with each on and off (matmul "finish" vs "fused", "/nomerge")
+      # path), then the 1B step at B = 2, 8, 16 with each on and off (matmul "finish" vs "fused", "/merge")
       run split-finish-check python3 benchmarks/probes/split_finish_check.py --out "$OUT/split-finish-check.json"
-      run split-finish python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 --variants fused/nomerge-fused \
-        fused-fused finish/nomerge-fused finish-fused --out "$OUT/split-finish.json" ;;
+      run split-finish python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 16 --variants fused-fused \
+        fused/merge-fused finish-fused finish/merge-fused --out "$OUT/split-finish.json" ;;
     kernel-profile-finish)  # kernel-profile-quick with matmul "finish" at B = 2 and 16
       run kernel-profile-finish python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 2:0 16:0 \
         --llm-args "matmul='finish'" --out "$OUT/kernel-profile-finish.json" ;;

@@ -20,6 +20,12 @@ bias and RoPE terms as bf16 values, the normed row rounded before the weight mul
 order, so results are deterministic run to run.
 
 Counters come from a `common.Semaphores` (zeros, threaded from kernel to kernel, left zero by each kernel).
+
+Measured on the H100 inside the 1B step at 2 rows (RESULTS.md, 2026-11-24 22:25): correct (bit-identical over repeated
+calls, counters zero), but slower than what they replace. qkv_rope 10.0-10.4 us per layer against XLA's QKV GEMM +
+RoPE/pack fusion (6.3 + 2.0); residual_norm after O 11.5 us against 5.0 + 1.2 + 1.65, after down 20.4 us against
+12.7 + 1.65 + 1.65. The split-K GEMV alone takes ~6.7 us (QKV) in the step, so the finish costs ~3.7 us at one level
+and ~6 us at two: more than the ~1.2-2 us kernels it saves. Not on by default (matmul kind "finish", models/matmul.py).
 """
 
 from __future__ import annotations

@@ -126,12 +126,14 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    # Counters for the attention kernel's in-kernel split merge, one zeroed array per traced step (common.Semaphores)
+    # Counters for the attention kernel's in-kernel split merge (off by default: measured slower, see the flag), one
+    # zeroed array per traced step (common.Semaphores)
     sems = None
     if kernel_writes:
+        from pallas_kernels import paged_decode_attention as pda
         from pallas_kernels.common import Semaphores
 
-        sems = Semaphores()
+        sems = Semaphores() if pda.ENGINE_MERGES_SPLITS else None
 
     def attend(q, k, v, kv, layer, packed=None):
         k_pool, v_pool = kv

@@ -13,6 +13,13 @@ LM head (`head`). Kinds:
                kernels instead of 8 per layer, or 5 from 17 tokens on
                (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
                faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:54-21:31).
+  "finish"     "fused", and for steps of <= 16 tokens in an unrolled layer loop the QKV projection + RoPE and the O /
+               down projections + residual add + RMSNorm run as split-K GEMVs that their last program finishes
+               (pallas_kernels/gemv_split_finish.py): 5 kernels per layer instead of 10. Correct on the GPU, but SLOWER:
+               the 1B step 1.340 / 1.438 / 1.580 ms against "fused" 1.169 / 1.232 / 1.304 at 2 / 8 / 16 rows on the
+               H100 (RESULTS.md, 2026-11-24 22:25): each in-kernel finish (barrier, acq-rel atomic, reloading the
+               partials) costs ~3.7 us, ~6 us with the residual's second level, more than the kernels it replaces.
+               Kept as an option to tune, not used by "auto".
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
