@@ -58,6 +58,8 @@ class LLM:
     the cyclic GC's full collections would otherwise scan them all from inside the engine loop. On the H100 host with
     torch and transformers also loaded, one decode tick at B=128 took 726 ms while every other took ~2.4 ms; a full
     collection here costs 80-180 ms with jax alone (RESULTS.md). vLLM freezes its start-up objects for the same reason.
+    Without warm-up, a tick that compiles a new shape freezes again after it (the compile's objects would otherwise
+    be rescanned: a 98.7 ms full pass inside a B=32 tick on the H100, RESULTS.md).
     Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
     never compiles.
     """
@@ -148,6 +150,7 @@ class LLM:
             self.engine.runner.warmup(progress=progress)
         if freeze_gc:
             _freeze_gc()
+            self.engine.refreeze_gc = True  # and again after any tick that compiled (warmup=False)
         self._outputs: dict[int, collections.deque[Output]] = {}
 
     # ---- public -----------------------------------------------------------------------------------------------------

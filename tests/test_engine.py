@@ -298,8 +298,12 @@ def test_llm_freezes_its_start_up_objects_out_of_the_gc(freeze):
     gc.unfreeze()
     llm = make_llm(str(FIXTURES / "tiny" / "llama3"), warmup=False, freeze_gc=freeze)
     assert (gc.get_freeze_count() > 0) == freeze
+    frozen, compiled = gc.get_freeze_count(), llm.stats()["num_compiles"]
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].token_ids) == 2
+    # no warm-up: the first steps compiled, and a frozen engine froze again after them (the compiles' objects)
+    assert llm.stats()["num_compiles"] > compiled
+    assert (gc.get_freeze_count() > frozen) == freeze
 
 
 @pytest.mark.parametrize("num_rows", [3, 40])  # the per-row loop and the masked assignment

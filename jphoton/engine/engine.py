@@ -16,9 +16,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 
 from jphoton.constraints import GrammarCompiler
+from jphoton.engine import compiles
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import DecodeSlot, Runner, StepResult
 from jphoton.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -62,6 +64,12 @@ class Engine:
         self._next = None  # (plan, record, packed input) of a step planned ahead, during a mask fill
         self.telemetry = Telemetry()
         self._records: dict[int, StepRecord] = {}
+        # LLM(freeze_gc=True) sets this: after a tick in which something compiled (a shape first seen by an engine
+        # built without warm-up), collect and freeze again, so that the compile's long-lived objects (jaxprs, lowering
+        # caches) are not rescanned by every later full collection. On the H100 one such full pass took 98.7 ms inside a
+        # B=32 decode tick (RESULTS.md, 2026-11-24 22:33); here it runs right after a compile that took seconds.
+        self.refreeze_gc = False
+        self._compiles_seen = compiles.num_compiles()
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,7 +137,15 @@ class Engine:
             # host->device copy per step), and a background mask fill overlaps the planning.
             self._next = self._plan()
             self._finalize(waiting)
+        if self.refreeze_gc and compiles.num_compiles() != self._compiles_seen:
+            self._refreeze_gc()
         return outputs
+
+    def _refreeze_gc(self) -> None:
+        self._compiles_seen = compiles.num_compiles()
+        gc.collect()
+        gc.freeze()
+        log.info("a tick compiled: garbage collector refrozen (%d objects frozen)", gc.get_freeze_count())
 
     def _plan(self):
         t_plan = self.telemetry.now()
