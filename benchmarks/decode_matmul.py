@@ -274,6 +274,11 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         from jphoton.models.matmul import XlaMatmul
 
         matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+    elif matmul in ("finish-qkv", "finish-residual"):  # "finish" in parts
+        from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
+
+        matmul = XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
+                           split_finish=(matmul.split("-")[1],))
     from pallas_kernels import paged_decode_attention as pda
 
     stack = contextlib.ExitStack()
@@ -326,6 +331,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused|"
                          "finish), xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), "
+                         "finish-qkv / finish-residual (\"finish\" for one of its two parts), "
                          "optionally + '/merge' (attention splits merged in the kernel, not by XLA), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",
@@ -344,7 +350,8 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish")
+        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish", "finish-qkv",
+                   "finish-residual")
         if v.rsplit("-", 1)[0].removesuffix("/merge") not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

@@ -99,20 +99,27 @@ def _qkv_rope_kernel(layer_ref, pos_ref, inv_ref, x_ref, w_ref, b_ref, _ctr_in, 
     n0 = j * BN
     cc = jnp.arange(BN, dtype=jnp.int32)
     nmask = n0 + cc < N
-    (acc,) = dot_k_loop(x_ref, w_ref, layer, (n0,), nmask, s * (chunks * BK), M=M, Mp=Mp, K=K, BN=BN, BK=BK,
-                        chunks=chunks, masked=(S * chunks * BK != K) or (N % BN != 0), unroll=unroll)
     rr = jnp.arange(Mp, dtype=jnp.int32)
     rmask = rr < M
+    dtype = out_ref.dtype
+    # The rotation of this block's columns, before the weight stream: its loads and sin/cos then overlap the K loop's
+    # first tiles instead of lengthening the last program's finish (every program computes it; it is [Mp, BN]).
+    half = hd // 2
+    d = jax.lax.rem(cc, hd)
+    first = d < half
+    pos = plgpu.load(pos_ref.at[jnp.minimum(rr, M - 1)], mask=rmask, other=0).astype(jnp.float32)
+    freq = plgpu.load(inv_ref.at[jnp.where(first, d, d - half)])
+    angle = pos[:, None] * freq[None, :]
+    cos = jnp.cos(angle).astype(dtype).astype(jnp.float32)  # as the XLA path rounds its tables
+    sin = jnp.sin(angle).astype(dtype).astype(jnp.float32)
+    (acc,) = dot_k_loop(x_ref, w_ref, layer, (n0,), nmask, s * (chunks * BK), M=M, Mp=Mp, K=K, BN=BN, BK=BK,
+                        chunks=chunks, masked=(S * chunks * BK != K) or (N % BN != 0), unroll=unroll)
     mask = rmask[:, None] & nmask[None, :]
     plgpu.store(part_ref.at[s, pl.ds(0, Mp), pl.ds(n0, BN)], acc, mask=mask)
 
     def finish():
-        half = hd // 2
-        d = jax.lax.rem(cc, hd)
-        first = d < half
         cols = n0 + cc
         partner = jnp.where(first, cols + half, cols - half)
-        dtype = out_ref.dtype
 
         def value(c):  # the projection at columns c, as the XLA path holds it: rounded, then + bias, rounded
             y = _sum_partials(part_ref, S, rr, c, mask).astype(dtype)
@@ -122,11 +129,6 @@ def _qkv_rope_kernel(layer_ref, pos_ref, inv_ref, x_ref, w_ref, b_ref, _ctr_in, 
             return y.astype(jnp.float32)
 
         y, yp = value(cols), value(partner)
-        pos = plgpu.load(pos_ref.at[jnp.minimum(rr, M - 1)], mask=rmask, other=0).astype(jnp.float32)
-        freq = plgpu.load(inv_ref.at[jnp.where(first, d, d - half)])
-        angle = pos[:, None] * freq[None, :]
-        cos = jnp.cos(angle).astype(dtype).astype(jnp.float32)
-        sin = jnp.sin(angle).astype(dtype).astype(jnp.float32)
         # rotate-half: [x1 cos - x2 sin | x2 cos + x1 sin]; the partner of a first-half column is x2, and vice versa
         roped = y * cos + jnp.where(first, -1.0, 1.0)[None, :] * yp * sin
         out = jnp.where((cols < rope_cols)[None, :], roped, y)

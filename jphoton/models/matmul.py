@@ -161,18 +161,22 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 split_finish: bool = False, interpret: bool | None = None):
+                 split_finish: tuple[str, ...] = (), interpret: bool | None = None):
+        if not set(split_finish) <= {"qkv", "residual"}:
+            raise ValueError(f"split_finish takes 'qkv' and/or 'residual', got {split_finish!r}")
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
-        self.split_finish = split_finish
+        self.split_finish = tuple(split_finish)
         self.interpret = interpret
         self._sems = None  # a Semaphores in the copy `for_forward` hands to one unrolled forward trace
         gemvs = [what for what, on in (
             ("gate+up with SwiGLU", glu_gemv),
             (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv),
-            (f"QKV + RoPE and O / down + residual + RMSNorm finished by the GEMV's last program (<= "
-             f"{SPLIT_FINISH_MAX_ROWS} tokens, unrolled layers)", split_finish)) if on]
+            (f"QKV + RoPE finished by the GEMV's last program (<= {SPLIT_FINISH_MAX_ROWS} tokens, unrolled layers)",
+             "qkv" in split_finish),
+            (f"O / down + residual + RMSNorm finished by the GEMV's last program (<= {SPLIT_FINISH_MAX_ROWS} tokens, "
+             f"unrolled layers)", "residual" in split_finish)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
@@ -197,12 +201,12 @@ class XlaMatmul(PlainMatmul):
         bound._sems = Semaphores()
         return bound
 
-    def _finishing(self, rows: int) -> bool:
-        return self._sems is not None and rows <= SPLIT_FINISH_MAX_ROWS
+    def _finishing(self, what: str, rows: int) -> bool:
+        return self._sems is not None and what in self.split_finish and rows <= SPLIT_FINISH_MAX_ROWS
 
     def qkv_rope(self, cfg, h, stacked, layer, positions, inv_freq):
         hd = cfg.head_dim
-        if "wqkv" not in stacked or cfg.qk_norm or hd < 16 or hd & (hd - 1) or not self._finishing(_rows(h)):
+        if "wqkv" not in stacked or cfg.qk_norm or hd < 16 or hd & (hd - 1) or not self._finishing("qkv", _rows(h)):
             return None  # the kernel's column blocks hold whole heads of a power-of-two size; no qk-norm in it
         from pallas_kernels.gemv_split_finish import qkv_rope
 
@@ -217,7 +221,7 @@ class XlaMatmul(PlainMatmul):
         return super().glu(x, w, stacked, layer)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
-        if bias is None and self._finishing(_rows(y)):
+        if bias is None and self._finishing("residual", _rows(y)):
             from pallas_kernels.gemv_split_finish import residual_norm
 
             h2, normed = residual_norm(h.reshape(-1, h.shape[-1]), y.reshape(-1, y.shape[-1]), stacked, layer,
@@ -277,4 +281,4 @@ def make(kind, interpret: bool | None = None) -> PlainMatmul:
         return PallasMatmul(interpret=interpret)
     fused = kind in ("fused", "finish")
     return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                     split_finish=kind == "finish", interpret=interpret)
+                     split_finish=("qkv", "residual") if kind == "finish" else (), interpret=interpret)
