@@ -19,7 +19,8 @@ LM head (`head`). Kinds:
                the 1B step 1.340 / 1.438 / 1.580 ms against "fused" 1.169 / 1.232 / 1.304 at 2 / 8 / 16 rows on the
                H100 (RESULTS.md, 2026-11-24 22:25): each in-kernel finish (barrier, acq-rel atomic, reloading the
                partials) costs ~3.7 us, ~6 us with the residual's second level, more than the kernels it replaces.
-               Kept as an option to tune, not used by "auto".
+               Each part alone loses too (QKV +3-5%, the residual +11-17%, same run, 22:55). Kept as an option to
+               tune, not used by "auto".
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
