@@ -29,7 +29,7 @@ def main() -> None:
         if kind is None or "ENTRY" in line:
             continue
         pdl = "xla.pdl_launch" in line
-        counts[kind, pdl] = counts.get(kind, 0) + 1
+        counts[kind, pdl] = counts.get((kind, pdl), 0) + 1
         target = re.search(r'custom_call_target="([^"]+)"', line)
         name = line.split("=")[0].strip()
         print(f"{kind:12} pdl={'yes' if pdl else 'no ':3} no_invariant={'yes' if 'no_invariant' in line else 'no '} "
