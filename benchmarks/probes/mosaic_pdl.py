@@ -48,7 +48,10 @@ def main() -> None:
                 value = f(x, w)
             ok = bool(jnp.all(value == 2049.0))
         except Exception as e:  # report and go on: the probe asks what each path does
+            import traceback
+
             print(f"{kind:12} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=-4)
             continue
         for line in text.splitlines():
             if " custom-call(" in line or ("kind=kCustom" in line and " fusion(" in line):
