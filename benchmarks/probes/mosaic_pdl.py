@@ -1,6 +1,7 @@
 """Does XLA launch a Pallas Mosaic GPU kernel with programmatic dependent launch (frontend attribute xla.pdl_launch)?
-Compiles `kernel(x @ w)` for a trivial Mosaic GPU kernel, with and without `griddepcontrol_wait` in it, beside the same
-with a Pallas Triton kernel, and prints each custom call's PDL mark from the compiled HLO. GPU only.
+Compiles `kernel(x @ w)` for a trivial Mosaic GPU kernel (`plgpu.kernel`, a copy), with and without
+`griddepcontrol_wait` in it, beside the same with a Pallas Triton kernel (+1), and prints each custom call's PDL mark
+from the compiled HLO and whether the result is right. GPU only.
 
     python benchmarks/probes/mosaic_pdl.py
 """
@@ -17,9 +18,18 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def mosaic_kernel(x_ref, o_ref, *, wait):
+    """A copy through SMEM (TMA in, TMA out); with `wait`, after griddepcontrol.wait (a no-op without PDL)."""
     if wait:
         mgpu.griddepcontrol_wait()
-    o_ref[...] = x_ref[...] + 1.0
+
+    def scoped(smem, barrier):
+        mgpu.copy_gmem_to_smem(x_ref, smem, barrier)
+        mgpu.barrier_wait(barrier)
+        mgpu.commit_smem()
+        mgpu.copy_smem_to_gmem(smem, o_ref)
+        mgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped, mgpu.SMEM((8, 256), jnp.float32), mgpu.Barrier(num_arrivals=1))
 
 
 def triton_kernel(x_ref, o_ref):
@@ -30,9 +40,8 @@ def build(kind: str):
     out = jax.ShapeDtypeStruct((8, 256), jnp.float32)
     if kind == "triton":
         call = pl.pallas_call(triton_kernel, out_shape=out, compiler_params=plgpu.CompilerParams(num_warps=4))
-    else:
-        call = pl.pallas_call(functools.partial(mosaic_kernel, wait=kind == "mosaic+wait"), out_shape=out,
-                              compiler_params=mgpu.CompilerParams())
+    else:  # jax 0.11: Mosaic GPU kernels through plgpu.kernel (pallas_call has no Mosaic GPU rule there)
+        call = mgpu.kernel(functools.partial(mosaic_kernel, wait=kind == "mosaic+wait"), out_type=out)
     return jax.jit(lambda x, w: call(jnp.dot(x, w, preferred_element_type=jnp.float32)))
 
 
@@ -46,7 +55,7 @@ def main() -> None:
                 f = build(kind)
                 text = f.lower(x, w).compile().as_text()
                 value = f(x, w)
-            ok = bool(jnp.all(value == 2049.0))
+            ok = bool(jnp.all(value == (2049.0 if kind == "triton" else 2048.0)))
         except Exception as e:  # report and go on: the probe asks what each path does
             import traceback
 
