@@ -35,8 +35,9 @@ def log_once(log: logging.Logger, key, msg: str, *args) -> None:
 # "The last program finishes": split work that needs a whole sum (split-K, split attention) merged inside the kernel
 # instead of by a second kernel. Every program stores its partial, then arrives at a counter; the one that arrives
 # last (an atomic add's old value) merges the partials and resets the counter, so a kernel leaves its counters zero.
-# On the H100 the merge kernels this replaces cost ~1.2-2 us each, mostly launch and ramp (RESULTS.md); the merge here
-# costs one atomic round trip plus L2 reads, in a program that is already running.
+# The hope: the merge kernels this replaces cost ~1.2-2 us each on the H100, mostly launch and ramp. Measured there
+# (RESULTS.md, 2026-11-24 22:25-22:57), a finish costs more: ~3.7 us at one level (barrier, atomic round trip, partials
+# reloaded from L2 on the last program's critical path), ~6 us at two. The engine's default paths do not use it.
 
 
 def arrive_last(counters_ref, index, arrivals: int, finish, *, interpret: bool) -> None:

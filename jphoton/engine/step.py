@@ -145,7 +145,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         if kernel_writes:
             # q, k, v of the decode rows as one array the kernel reads by head offset: XLA builds it in one fusion
             # with the model's RoPE, where three separate operands would each be copied out by a kernel of their own
-            # with RoPE (or, `packed`, the matmul hook's one kernel made it so)
+            # (or the matmul hook's QKV kernel already made it: `packed`)
             if packed is not None:
                 qkv = packed if shape.tokens == Bd else packed[:Bd]
             else:
