@@ -75,21 +75,24 @@ def sample_plain(logits: jax.Array, temperature: jax.Array, key_data: jax.Array,
     temperature [B]; key_data [B, 2] uint32; index [B] int32 (which output token this is). -> int32 [B].
     No data-dependent control flow: on GPU a conditional makes XLA sync the host, so filtered sampling is a separate
     executable (`sample`) that the runner dispatches only for steps that need it."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sampled = jnp.argmax(scaled + _gumbel(logits, key_data, index), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return _argmax_or_greedy(logits, scaled + _gumbel(logits, key_data, index), temperature)
+
+
+def _argmax_or_greedy(logits: jax.Array, noisy: jax.Array, temperature: jax.Array) -> jax.Array:
+    """argmax of `noisy` on sampled rows, of `logits` on greedy rows (temperature 0), as one argmax over each row's
+    selected scores instead of two argmaxes and a select: the same tokens (ties go to the first index either way), half
+    the reductions over the vocabulary (benchmarks/probes/sampler_argmax.py)."""
+    return jnp.argmax(jnp.where((temperature > 0)[:, None], noisy, logits), axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key_data: jax.Array,
            index: jax.Array) -> jax.Array:
     """`sample_plain` after top-k (0 = off) / top-p (1 = off) filtering. With both off it draws exactly what
     sample_plain draws (same noise, no-op filter), so a request's tokens never depend on which path ran."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-    sampled = jnp.argmax(scaled + _gumbel(logits, key_data, index), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return _argmax_or_greedy(logits, scaled + _gumbel(logits, key_data, index), temperature)
 
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
