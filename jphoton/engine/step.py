@@ -163,9 +163,12 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 
     hidden, kv = forward(params, tokens, positions, kv, attend)
-    last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
-                            Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])
-    logits = logits_fn(params, hidden[last])
+    if Bp:  # each row's last token: a prefill row's sits at its own length
+        last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
+                                Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])
+        hidden = hidden[last]
+    # a decode-only step's rows are its tokens: no gather (XLA kept the identity gather as a kernel of its own)
+    logits = logits_fn(params, hidden)
     tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"])
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
