@@ -1,7 +1,7 @@
 """The fused sampler alone, by noise source: the counter-based hash that `jphoton.sampling` draws its Gumbel noise from,
 against threefry (`jax.random.gumbel` under a per-row key folded with the output index, the sampler before c9f4606).
 
-Each variant is `sample_plain`'s work on [B, V] float32 logits (greedy argmax, temperature, noise, argmax) jitted
+Each variant is `sample_plain`'s work on [B, V] float32 logits (temperature, noise, one argmax over the rows' scores) jitted
 alone and dispatched back to back; rows alternate greedy and sampled, as a mixed batch would. Both variants run in one
 process, so their ratio is the claim; the absolute microseconds sit outside the engine step (where XLA may fuse the
 sampler into the LM head's neighbours).

@@ -95,7 +95,7 @@ from benchmarks.vs_pytorch_hf import (  # noqa: E402
     hf_static_case,
     torch_state_to_host,
 )
-from benchmarks.vs_pytorch_report import ROWS, add_floor, merge, plot, table, write  # noqa: E402
+from benchmarks.vs_pytorch_report import ROWS, add_floor, matching_lead, merge, plot, rel_errors, table, write  # noqa: E402
 
 log = logging.getLogger("vs_pytorch")
 
@@ -206,32 +206,21 @@ def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(s.output_ids) for s in seqs]
 
 
-def _lead(a: list[int], b: list[int]) -> int:
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k
-
-
-def _rel(a: np.ndarray, ref: np.ndarray) -> list[float]:
-    return [float(np.max(np.abs(x - r)) / np.max(np.abs(r))) for x, r in zip(a, ref, strict=True)]
-
-
 def agreement(ref: dict, llm, prompts: list[list[int]]) -> dict:
     ours = jphoton_first_logits(llm, prompts)
-    rel = _rel(ours, ref["logits"])
+    rel = rel_errors(ours, ref["logits"])
     argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref["logits"], strict=True)]
     toks = jphoton_greedy(llm, prompts, ref["tokens"].shape[1])
     out = dict(prompts=len(prompts), logits_rel_err=rel, logits_rel_err_max=max(rel), first_token_same=argmax_same,
                greedy_tokens=ref["tokens"].shape[1],
-               greedy_matching_lead=[_lead(m, r) for m, r in zip(toks, ref["tokens"].tolist(), strict=True)],
+               greedy_matching_lead=[matching_lead(m, r) for m, r in zip(toks, ref["tokens"].tolist(), strict=True)],
                target=2e-2)
     if "logits_fp32" in ref:  # each bf16 implementation against the float32 run of the same weights
         f32, t32 = ref["logits_fp32"], ref["tokens_fp32"].tolist()
         out.update(
-            jphoton_vs_fp32_rel_err=_rel(ours, f32), hf_bf16_vs_fp32_rel_err=_rel(ref["logits"], f32),
-            jphoton_vs_fp32_greedy_lead=[_lead(m, r) for m, r in zip(toks, t32, strict=True)],
-            hf_bf16_vs_fp32_greedy_lead=[_lead(m, r) for m, r in zip(ref["tokens"].tolist(), t32, strict=True)])
+            jphoton_vs_fp32_rel_err=rel_errors(ours, f32), hf_bf16_vs_fp32_rel_err=rel_errors(ref["logits"], f32),
+            jphoton_vs_fp32_greedy_lead=[matching_lead(m, r) for m, r in zip(toks, t32, strict=True)],
+            hf_bf16_vs_fp32_greedy_lead=[matching_lead(m, r) for m, r in zip(ref["tokens"].tolist(), t32, strict=True)])
     return out
 
 

@@ -95,6 +95,16 @@ def default_config(m: int, k: int, n: int) -> GemvConfig:
     return GemvConfig(block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=3, mode="dot")
 
 
+def k_plan(K: int, cfg: GemvConfig) -> tuple[int, int, int]:
+    """(BK, split, chunks): the reduction chunk for K, and the split-K count and chunks per split for `cfg`, clipped
+    so that every split has at least one chunk and none is empty."""
+    BK = min(cfg.block_k, max(16, _pow2(K)))
+    total = pl.cdiv(K, BK)
+    split = max(1, min(cfg.split, total))
+    chunks = pl.cdiv(total, split)
+    return BK, pl.cdiv(total, chunks), chunks
+
+
 def path_name(interpret: bool | None = None) -> str:
     return "Pallas GEMV, interpret mode (no GPU)" if use_interpret(interpret) else "Pallas GEMV (Triton) on GPU"
 
@@ -234,11 +244,7 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
     fma = cfg.mode == "fma" and M <= 8
     Mp = max(16, _pow2(M))
     BN = min(cfg.block_n, max(16, _pow2(N)))
-    BK = min(cfg.block_k, max(16, _pow2(K)))
-    total = pl.cdiv(K, BK)
-    split = max(1, min(cfg.split, total))
-    chunks = pl.cdiv(total, split)
-    split = pl.cdiv(total, chunks)  # no empty split
+    BK, split, chunks = k_plan(K, cfg)
     interp = use_interpret(interpret)
     _log_path(interp, M, K, N, cfg, "SwiGLU" if glu else "split-K partials" if partials else "")
     out_dtype = jnp.dtype(out_dtype or x.dtype)

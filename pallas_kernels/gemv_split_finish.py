@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import Semaphores, arrive_last, log_once, next_pow2, use_interpret
-from pallas_kernels.gemv import GemvConfig, default_config, dot_k_loop
+from pallas_kernels.gemv import GemvConfig, default_config, dot_k_loop, k_plan
 
 log = logging.getLogger("jphoton.kernels")
 
@@ -50,11 +50,7 @@ MAX_ROWS = 16  # activation rows; the partial tiles are [16, BN] either way (ten
 def _plan(M: int, K: int, N: int, cfg: GemvConfig | None, block_n: int | None = None):
     cfg = cfg or default_config(M, K, N)
     BN = block_n or cfg.block_n
-    BK = min(cfg.block_k, max(16, next_pow2(K)))
-    total = pl.cdiv(K, BK)
-    split = max(1, min(cfg.split, total))
-    chunks = pl.cdiv(total, split)
-    split = pl.cdiv(total, chunks)  # no empty split
+    BK, split, chunks = k_plan(K, cfg)
     return cfg, BN, BK, split, chunks
 
 

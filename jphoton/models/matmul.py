@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jphoton.models.layers import dense, rms_norm, silu_mul
-from pallas_kernels.common import log_once
+from pallas_kernels.common import Semaphores, log_once
 
 log = logging.getLogger("jphoton")
 
@@ -196,8 +196,6 @@ class XlaMatmul(PlainMatmul):
             log_once(log, ("split_finish", "scan"), "split-finish GEMVs need the unrolled layer loop: a scanned "
                      "forward runs without them")
             return self
-        from pallas_kernels.common import Semaphores
-
         bound = copy.copy(self)
         bound._sems = Semaphores()
         return bound
