@@ -71,7 +71,7 @@ NUM_SMS = 132  # H100 SXM; only shapes the default split count
 # Most splits merged inside the kernel (the last split loads every partial at once, unrolled); more go to `_combine`.
 MAX_KERNEL_COMBINE = 16
 # Whether the engine asks for the in-kernel merge (passes `semaphores`). Off: inside the 1B step on the H100 the merging
-# kernel took 7.2-7.5 us per layer against 5.4 + 1.35 us for the kernel and XLA's combine, +1.4-2.0% per step at
+# kernel took 7.2-7.5 us per layer against 5.4 + 1.35 us for the kernel and XLA's combine, +2.1 / +1.2 / +1.0% per step at
 # B = 2 / 8 / 16 (RESULTS.md, 2026-11-24 22:25).
 ENGINE_MERGES_SPLITS = False
 
