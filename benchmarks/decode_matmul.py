@@ -274,6 +274,11 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         from jphoton.models.matmul import XlaMatmul
 
         matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
+    elif matmul == "mlp":  # "fused" with the whole MLP in one kernel (pallas_kernels/mlp_decode.py)
+        from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
+
+        matmul = XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
+                           mlp_kernel=True)
     elif matmul in ("finish-qkv", "finish-residual"):  # "finish" in parts
         from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
 
@@ -351,7 +356,7 @@ def main() -> None:
         args.step_reps = 2
     for v in args.variants:
         matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish", "finish-qkv",
-                   "finish-residual")
+                   "finish-residual", "mlp")
         if v.rsplit("-", 1)[0].removesuffix("/merge") not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()

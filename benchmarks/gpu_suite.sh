@@ -155,6 +155,11 @@ for section in "$@"; do
       # "fused" and again with "finish" (same weights, same process)
       run "$section" python3 benchmarks/vs_pytorch.py --shape 1b --rows hf-static jphoton-pipelined --batch 1 32 \
         --matmul fused --ab-matmul finish --time-budget 420 --out "$OUT" --tag "$section" ;;
+    mlp-decode)  # the whole SwiGLU MLP in one kernel (pallas_kernels/mlp_decode.py) vs the SwiGLU GEMV + XLA down GEMM:
+      # per layer (16 layers chained, config sweep) at M = 2, 8, 32, then the 1B step at B = 2, 8, 32 ("mlp" vs "fused")
+      run mlp-decode python3 benchmarks/mlp_decode.py --m 2 8 32 --out "$OUT/mlp-decode.json"
+      run mlp-decode-e2e python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 32 --variants fused-fused \
+        mlp-fused fused-fused mlp-fused --out "$OUT/mlp-decode-e2e.json" ;;
     sampler-noise)  # the fused sampler alone at the 1B vocabulary, hash noise (the default since c9f4606) vs threefry,
       # alternated in one process: the hash was chosen without a GPU number of its own
       run "$section" python3 benchmarks/sampler_noise.py --batch 2 32 128 --vocab 128256 --out "$OUT/$section.json" ;;

@@ -63,6 +63,35 @@ def arrive_last(counters_ref, index, arrivals: int, finish, *, interpret: bool) 
         finish()
 
 
+def grid_barrier(counters_ref, index, programs: int) -> None:
+    """Wait until all `programs` programs of the grid have reached this point, on counters_ref[index] (arrivals) and
+    [index + 1] (departures), both zero before and left zero after. GPU only (interpret mode runs programs one after
+    another: a barrier there never opens), and only for a grid whose programs are all resident at once (<= one per SM),
+    else it deadlocks.
+
+    Arrive: a CTA barrier (every thread's earlier stores ordered before the arrival), then an acquire-release atomic
+    add at GPU scope; spin on atomic reads until all have arrived; a CTA barrier again so that every thread's later
+    loads are ordered after the acquire. Depart: the last program to leave resets both counters (nobody spins by
+    then). Measured on the H100: ~1.35 us per barrier against ~2 us per kernel boundary (benchmarks/probes/
+    grid_barrier.py, RESULTS.md 2026-11-25)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    arrivals, departures = jnp.int32(index), jnp.int32(index + 1)
+    plgpu.debug_barrier()
+    plgpu.atomic_add(counters_ref, (arrivals,), jnp.int32(1))
+    jax.lax.while_loop(lambda seen: seen < programs,
+                       lambda _: plgpu.atomic_add(counters_ref, (arrivals,), jnp.int32(0)), jnp.int32(0))
+    plgpu.debug_barrier()
+    old = plgpu.atomic_add(counters_ref, (departures,), jnp.int32(1))
+
+    @pl.when(old == programs - 1)
+    def _():
+        plgpu.atomic_add(counters_ref, (arrivals,), jnp.int32(-programs))
+        plgpu.atomic_add(counters_ref, (departures,), jnp.int32(-programs))
+
+
 class Semaphores:
     """Zeroed int32 counters for `arrive_last` kernels, made once per traced step and threaded from kernel to kernel
     (each takes the array as an aliased input and returns it, zero again), so a step pays one small memset instead of

@@ -208,10 +208,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
                            stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:
-            act = mm.glu(h, lp["w_gate_up"], stacked["w_gate_up"], index)
+            x, h = mm.mlp(x, h, lp["w_gate_up"], lp["w_down"], stacked["w_gate_up"], stacked["w_down"], index,
+                          norm_after, next_norm, eps)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
-        x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
+            x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
         return (x, h, kv), None
 
     if not unroll:

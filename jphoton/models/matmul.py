@@ -133,6 +133,14 @@ class PlainMatmul:
         h = h + (out if bias is None else out + bias)
         return h, rms_norm(h, norm, eps)
 
+    def mlp(self, h: jax.Array, x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, stacked_gate_up: jax.Array,
+            stacked_down: jax.Array, layer, norm: jax.Array, norm_stack: jax.Array, eps: float
+            ) -> tuple[jax.Array, jax.Array]:
+        """The dense SwiGLU MLP of the normed rows x ([gate | up] [D, 2F], down [F, D]), then the residual add and the
+        next RMSNorm: (h', RMSNorm(h') * norm), as `residual` returns them."""
+        act = self.glu(x, w_gate_up, stacked_gate_up, layer)
+        return self.residual(h, act, w_down, stacked_down, layer, norm, norm_stack, eps)
+
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
 
@@ -162,16 +170,18 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 split_finish: tuple[str, ...] = (), interpret: bool | None = None):
+                 split_finish: tuple[str, ...] = (), mlp_kernel: bool = False, interpret: bool | None = None):
         if not set(split_finish) <= {"qkv", "residual"}:
             raise ValueError(f"split_finish takes 'qkv' and/or 'residual', got {split_finish!r}")
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
         self.split_finish = tuple(split_finish)
+        self.mlp_kernel = mlp_kernel
         self.interpret = interpret
         self._sems = None  # a Semaphores in the copy `for_forward` hands to one unrolled forward trace
         gemvs = [what for what, on in (
+            ("the whole SwiGLU MLP in one kernel (pallas_kernels/mlp_decode.py)", mlp_kernel),
             ("gate+up with SwiGLU", glu_gemv),
             (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv),
             (f"QKV + RoPE finished by the GEMV's last program (<= {SPLIT_FINISH_MAX_ROWS} tokens, unrolled layers)",
@@ -187,14 +197,15 @@ class XlaMatmul(PlainMatmul):
         return two_row_dot(x, w)
 
     def for_forward(self, unrolled: bool) -> PlainMatmul:
-        """With split_finish and an unrolled layer loop, a copy holding this trace's counters (one zeroed array per
-        step, threaded through every kernel). A scanned loop would carry them through the scan; not done: it keeps
-        the kernels of the other options (logged once)."""
-        if not self.split_finish:
+        """With split_finish or mlp_kernel and an unrolled layer loop, a copy holding this trace's counters (one
+        zeroed array per step, threaded through every kernel). A scanned loop would carry them through the scan; not
+        done: the split finishes are then off (logged once), the MLP kernel takes zeros per call (a memset each)."""
+        if not (self.split_finish or self.mlp_kernel):
             return self
         if not unrolled:
-            log_once(log, ("split_finish", "scan"), "split-finish GEMVs need the unrolled layer loop: a scanned "
-                     "forward runs without them")
+            if self.split_finish:
+                log_once(log, ("split_finish", "scan"), "split-finish GEMVs need the unrolled layer loop: a scanned "
+                         "forward runs without them")
             return self
         bound = copy.copy(self)
         bound._sems = Semaphores()
@@ -218,6 +229,18 @@ class XlaMatmul(PlainMatmul):
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
             return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
         return super().glu(x, w, stacked, layer)
+
+    def mlp(self, h, x, w_gate_up, w_down, stacked_gate_up, stacked_down, layer, norm, norm_stack, eps):
+        if not (self.mlp_kernel and _rows(x) <= PALLAS_MAX_ROWS):
+            return super().mlp(h, x, w_gate_up, w_down, stacked_gate_up, stacked_down, layer, norm, norm_stack, eps)
+        from pallas_kernels.mlp_decode import swiglu_mlp_partials
+
+        # the kernel's down-projection partials summed in fp32 and rounded once (as a dot's output would be); XLA
+        # fuses that sum into the residual add
+        parts = swiglu_mlp_partials(x.reshape(-1, x.shape[-1]), stacked_gate_up, stacked_down, layer,
+                                    semaphores=self._sems, interpret=self.interpret)
+        h = h + jnp.sum(parts, axis=0).astype(h.dtype).reshape(h.shape)
+        return h, rms_norm(h, norm, eps)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
         if bias is None and self._finishing("residual", _rows(y)):
