@@ -336,7 +336,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
                     help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused|"
                          "finish), xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), "
-                         "finish-qkv / finish-residual (\"finish\" for one of its two parts), "
+                         "finish-qkv / finish-residual (\"finish\" for one of its two parts), mlp (\"fused\" with the MLP "
+                         "in one kernel, pallas_kernels/mlp_decode.py), "
                          "optionally + '/merge' (attention splits merged in the kernel, not by XLA), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",

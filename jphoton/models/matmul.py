@@ -1,7 +1,7 @@
 """How the dense layers' weight matmuls run, chosen once when the model is built (models/protocol.py llama_family,
-`LLM(matmul=...)`). The model calls a hook for four things: a product (`__call__`), gate+up with SwiGLU (`glu`), a
-sublayer's output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the
-LM head (`head`). Kinds:
+`LLM(matmul=...)`). The model calls a hook for: a product (`__call__`), gate+up with SwiGLU (`glu`), a sublayer's
+output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), the whole dense MLP
+(`mlp`: by default `glu` then `residual`), and the LM head (`head`). Kinds:
 
   "xla-plain"  XLA dots as written (`PlainMatmul`), the CPU default.
   "xla"        XLA dots, a one-token step computed as two rows (`XlaMatmul`).
@@ -36,6 +36,9 @@ make XLA materialise the slice, a copy of every weight, doubling the step's HBM 
 
 Measured and dropped (RESULTS.md, 2026-11-23): the GEMV running RMSNorm or SwiGLU on its input inside the K loop
 (the QKV GEMV 6.7 -> 10.9 us, down 13 -> 28 us), and RMSNorm's row scale applied after an XLA dot (+0.7% / -1.3%).
+The whole MLP in one kernel (pallas_kernels/mlp_decode.py, `XlaMatmul(mlp_kernel=True)`, no kind uses it): gate+up,
+a grid barrier, then down in one launch, or each program's columns straight into its rows of down; both 3-4% slower
+per 1B step at B = 2 than the SwiGLU GEMV followed by XLA's down GEMM (RESULTS.md, 2026-11-25 00:22-00:36).
 "xla" beat "pallas" on the whole 1B step (1.304 / 1.616 against 1.336 / 1.722 ms at B = 1 / 32): the GEMV wins its
 matrices alone (QKV 1.85x) but XLA fused the norms and adds around its dots, which the custom call cannot.
 """
