@@ -160,6 +160,12 @@ for section in "$@"; do
       run mlp-decode python3 benchmarks/mlp_decode.py --m 2 8 32 --out "$OUT/mlp-decode.json"
       run mlp-decode-e2e python3 benchmarks/decode_matmul.py --part e2e --batch 2 8 32 --variants fused-fused \
         mlp-fused fused-fused mlp-fused --out "$OUT/mlp-decode-e2e.json" ;;
+    megakernel-probes)  # what a persistent decode kernel would face (issue 8, RESULTS.md 2026-11-25): a kernel boundary
+      # vs an in-kernel grid barrier, a pure read of each 1B matrix vs the engine's kernel, and a persistent Mosaic GPU
+      # kernel streaming weights across grid barriers
+      run grid-barrier python3 benchmarks/probes/grid_barrier.py --out "$OUT/grid-barrier.json"
+      run stream-headroom python3 benchmarks/probes/stream_headroom.py --out "$OUT/stream-headroom.json"
+      run mosaic-stream python3 benchmarks/probes/mosaic_stream.py --bench ;;
     sampler-noise)  # the fused sampler alone at the 1B vocabulary, hash noise (the default since c9f4606) vs threefry,
       # alternated in one process: the hash was chosen without a GPU number of its own
       run "$section" python3 benchmarks/sampler_noise.py --batch 2 32 128 --vocab 128256 --out "$OUT/$section.json" ;;
