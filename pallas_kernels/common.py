@@ -63,6 +63,22 @@ def arrive_last(counters_ref, index, arrivals: int, finish, *, interpret: bool) 
         finish()
 
 
+def triton_call(kernel, name: str, grid, out_shape, args, aliases: dict, config, interpret: bool):
+    """pl.pallas_call on the Triton backend with `config`'s num_warps / num_stages, quiet about jax 0.11's deprecation
+    warning for that backend (once per trace)."""
+    import warnings
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        return pl.pallas_call(
+            kernel, grid=grid, out_shape=out_shape, input_output_aliases=aliases, interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages), name=name,
+        )(*args)
+
+
 def grid_barrier(counters_ref, index, programs: int) -> None:
     """Wait until all `programs` programs of the grid have reached this point, on counters_ref[index] (arrivals) and
     [index + 1] (departures), both zero before and left zero after. GPU only (interpret mode runs programs one after
@@ -72,8 +88,8 @@ def grid_barrier(counters_ref, index, programs: int) -> None:
     Arrive: a CTA barrier (every thread's earlier stores ordered before the arrival), then an acquire-release atomic
     add at GPU scope; spin on atomic reads until all have arrived; a CTA barrier again so that every thread's later
     loads are ordered after the acquire. Depart: the last program to leave resets both counters (nobody spins by
-    then). Measured on the H100: ~1.35 us per barrier against ~2 us per kernel boundary (benchmarks/probes/
-    grid_barrier.py, RESULTS.md 2026-11-25)."""
+    then). Measured on the H100: 1.35 us per barrier, against 1.15-2.3 us per kernel boundary (benchmarks/probes/
+    grid_barrier.py, RESULTS.md 2026-11-25): no cheaper than a boundary in general."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu

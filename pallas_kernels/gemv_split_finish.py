@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import Semaphores, arrive_last, log_once, next_pow2, use_interpret
+from pallas_kernels.common import Semaphores, arrive_last, log_once, next_pow2, triton_call, use_interpret
 from pallas_kernels.gemv import GemvConfig, default_config, dot_k_loop, k_plan
 
 log = logging.getLogger("jphoton.kernels")
@@ -52,15 +51,6 @@ def _plan(M: int, K: int, N: int, cfg: GemvConfig | None, block_n: int | None = 
     BN = block_n or cfg.block_n
     BK, split, chunks = k_plan(K, cfg)
     return cfg, BN, BK, split, chunks
-
-
-def _call(kernel, name, grid, out_shape, args, aliases, cfg, interp):
-    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
-        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        return pl.pallas_call(
-            kernel, grid=grid, out_shape=out_shape, input_output_aliases=aliases, interpret=interp,
-            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages), name=name,
-        )(*args)
 
 
 def _check(x, w, layer, max_rows=MAX_ROWS):
@@ -165,7 +155,8 @@ def qkv_rope(x: jax.Array, w: jax.Array, layer, positions: jax.Array, inv_freq: 
             w, b, ctr]
     out_shape = (jax.ShapeDtypeStruct((S, M, N), jnp.float32), jax.ShapeDtypeStruct((M, N), x.dtype),
                  jax.ShapeDtypeStruct(ctr.shape, jnp.int32))
-    _, out, ctr = _call(kernel, f"qkv_rope_M{M}_BN{BN}_BK{BK}_S{S}", (tiles, S), out_shape, args, {6: 2}, cfg, interp)
+    _, out, ctr = triton_call(kernel, f"qkv_rope_M{M}_BN{BN}_BK{BK}_S{S}", (tiles, S), out_shape, args, {6: 2}, cfg,
+                              interp)
     sems.give(ctr)
     return out.reshape(M, Hq + 2 * Hkv, hd)
 
@@ -252,8 +243,8 @@ def residual_norm(h: jax.Array, y: jax.Array, w: jax.Array, layer, norm: jax.Arr
     out_shape = (jax.ShapeDtypeStruct((S, M, D), jnp.float32), jax.ShapeDtypeStruct((next_pow2(T), 16), jnp.float32),
                  jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, normed_dtype),
                  jax.ShapeDtypeStruct(ctr.shape, jnp.int32))
-    _, _, h2, normed, ctr = _call(kernel, f"residual_norm_M{M}_BN{BN}_BK{BK}_S{S}", (T, S), out_shape, args, {5: 4},
-                                  cfg, interp)
+    _, _, h2, normed, ctr = triton_call(kernel, f"residual_norm_M{M}_BN{BN}_BK{BK}_S{S}", (T, S), out_shape, args,
+                                        {5: 4}, cfg, interp)
     sems.give(ctr)
     return h2, normed
 

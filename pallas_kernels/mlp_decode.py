@@ -25,14 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import Semaphores, grid_barrier, log_once, next_pow2, use_interpret
+from pallas_kernels.common import Semaphores, grid_barrier, log_once, next_pow2, triton_call, use_interpret
 from pallas_kernels.gemv import MAX_ROWS, NUM_SMS, _load, dot_k_loop
 
 log = logging.getLogger("jphoton.kernels")
@@ -70,7 +69,8 @@ class MlpConfig:
 
 
 def path_name(interpret: bool | None = None) -> str:
-    return "Pallas fused MLP, interpret mode (no GPU)" if use_interpret(interpret) else "Pallas fused MLP (Triton) on GPU"
+    where = "interpret mode (no GPU)" if use_interpret(interpret) else "(Triton) on GPU"
+    return f"Pallas fused MLP {where}"
 
 
 def _gate_up_act(layer, x_ref, wgu_ref, out_dtype, j, *, M, Mp, D, F, BF, BK, k_chunks, mask_k, mask_f):
@@ -176,15 +176,6 @@ def _check(x, w_gate_up, w_down, layer):
     return w_gate_up, w_down, layer
 
 
-def _call(kernel, name, grid, out_shape, args, aliases, cfg, interp):
-    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
-        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interp, input_output_aliases=aliases,
-                              compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                                                   num_stages=cfg.num_stages),
-                              name=name)(*args)
-
-
 def swiglu_mlp_partials(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, layer=None, *,
                         config: MlpConfig | None = None, semaphores: Semaphores | None = None,
                         interpret: bool | None = None) -> jax.Array:
@@ -217,8 +208,9 @@ def swiglu_mlp_partials(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, l
                   mask_f=F % BF != 0)
     if cfg.mode == "columns":
         kernel = functools.partial(_columns_kernel, BN=BN, n_chunks=pl.cdiv(D, BN), mask_n=D % BN != 0, **common)
-        return _call(kernel, f"mlp_columns_M{M}_BF{BF}_BK{BK}_BN{BN}", (P,),
-                     jax.ShapeDtypeStruct((P, M, D), jnp.float32), (layer_arr, x, w_gate_up, w_down), {}, cfg, interp)
+        return triton_call(kernel, f"mlp_columns_M{M}_BF{BF}_BK{BK}_BN{BN}", (P,),
+                           jax.ShapeDtypeStruct((P, M, D), jnp.float32), (layer_arr, x, w_gate_up, w_down), {}, cfg,
+                           interp)
     ncol = pl.cdiv(D, BN)
     S = max(1, P // ncol)
     kd_chunks = pl.cdiv(pl.cdiv(F, S), BK)
@@ -233,14 +225,15 @@ def swiglu_mlp_partials(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, l
         return functools.partial(_barrier_kernel, phase=phase, BN=BN, S=S, kd_chunks=kd_chunks, items=ncol * S,
                                  pre=cfg.prefetch, P=P, **common)
 
+    def call(phase, act_in):
+        return triton_call(kernel(phase), name, (P,), out_shape, (layer_arr, x, w_gate_up, w_down, act_in, ctr),
+                           {5: 2}, cfg, interp)
+
     if not interp:
-        _, parts, ctr = _call(kernel("both"), name, (P,), out_shape, (layer_arr, x, w_gate_up, w_down, x, ctr),
-                              {5: 2}, cfg, interp)
+        _, parts, ctr = call("both", x)  # act_in unused: the kernel reads its own act output after the barrier
     else:
-        act, _, ctr = _call(kernel("glu"), name, (P,), out_shape, (layer_arr, x, w_gate_up, w_down, x, ctr),
-                            {5: 2}, cfg, interp)
-        _, parts, ctr = _call(kernel("down"), name, (P,), out_shape, (layer_arr, x, w_gate_up, w_down, act, ctr),
-                              {5: 2}, cfg, interp)
+        act, _, ctr = call("glu", x)
+        _, parts, ctr = call("down", act)
     sems.give(ctr)
     return parts
 

@@ -70,6 +70,14 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
         np.testing.assert_allclose(h, ref_h2, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(logits, ref_logits2, rtol=1e-4, atol=1e-4)
 
+    # the whole MLP in one kernel (the mlp() step; the unfused params keep the glu + residual path): in the unrolled
+    # loop it shares the trace's counters, in the scanned one it takes zeros per call
+    mm = XlaMatmul(mlp_kernel=True, interpret=True)
+    for unroll in (True, False):
+        h, logits = _hidden(fused, cfg, tokens, mm, unroll=unroll)
+        np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
     # "finish": QKV + RoPE and the residual adds + norms in the GEMVs' last programs (a power-of-two head_dim)
     c16 = cfg.replace(head_dim=16)
     p16 = _random(c16)
