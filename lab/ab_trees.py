@@ -1,0 +1,113 @@
+"""A/B two source trees of jphoton on one GPU, alternated: the 1B decode step at B=1 (context 512) and B=32.
+
+    python lab/ab_trees.py --trees base=.ab/base new=. --rounds 3 --out $OUT/ab.json
+
+Each (tree, round) runs in a fresh child process with PYTHONPATH=tree and measures, through APIs that every tree since
+wave 1 has (`LLM(...)`, `generate`, the engine's step telemetry), the pipelined engine's decode period (launch to
+launch, median over decode-only steps) and, where the tree offers it, the device step back to back. The children share
+JAX's persistent compile cache, so only the first child of an HLO compiles. Issue 21's gate: every row within 3% of the
+base tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = {"b1-ctx512": (1, 512), "b32": (32, 128)}  # name -> (requests, prompt tokens)
+NEW_TOKENS = 256
+
+
+def child(model: str, case_names: list[str]) -> dict:
+    """Runs inside the tree under test."""
+    import numpy as np
+
+    from jphoton import LLM, SamplingParams
+
+    llm = LLM(model, pipeline_depth=2, max_model_len=1024, max_num_seqs=32,
+              decode_buckets=(1, 32), prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
+              num_kv_pages=33 * 64 + 8, warmup=False, progress=False)
+    telemetry = getattr(llm, "telemetry", None) or llm.engine.telemetry  # public since wave 2
+    rng = np.random.default_rng(0)
+    out = {}
+    for name in case_names:
+        rows, prompt = CASES[name]
+        prompts = [{"prompt_token_ids": rng.integers(0, llm.config.vocab_size, prompt).tolist()} for _ in range(rows)]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        llm.generate(prompts, params)  # compiles (or loads) the shapes this case steps through
+        periods = []
+        for _ in range(2):
+            telemetry.clear()
+            llm.generate(prompts, params)
+            recs = sorted(telemetry.records, key=lambda r: r.step_id)
+            periods += [b.t_launch - a.t_launch for a, b in zip(recs, recs[1:], strict=False)
+                        if a.kind == b.kind == "decode"]
+        row = {"ms_step": 1e3 * statistics.median(periods), "decode_steps": len(periods)}
+        context = prompt + NEW_TOKENS // 2
+        if hasattr(llm, "device_step_ms"):
+            row["device_step_ms"] = llm.device_step_ms(rows, context=context, steps=50)
+        else:  # the wave-1 tree: its benchmark helper
+            from benchmarks.pipeline import device_step_ms
+
+            bucket = min(b for b in llm.engine.scheduler.config.decode_buckets if b >= rows)
+            row["device_step_ms"] = device_step_ms(llm, bucket, reps=50, context=context)
+        row["tick_over_device_step"] = row["ms_step"] / row["device_step_ms"]
+        out[name] = row
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", nargs="+", default=[], help="NAME=PATH ...")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", nargs="+", default=list(CASES))
+    ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.model, args.cases)), flush=True)
+        return 0
+    trees = dict(t.split("=", 1) for t in args.trees)
+    runs = []
+    for r in range(args.rounds):
+        for name, path in trees.items():
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases],
+                                  cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+                raise SystemExit(f"{name} round {r}: child failed with {proc.returncode}")
+            res = json.loads(line[7:])
+            runs.append({"tree": name, "round": r, "wall_s": time.perf_counter() - t0, **res})
+            print(f"round {r} {name:>6} ({time.perf_counter() - t0:5.1f} s): " + "  ".join(
+                f"{c} {v['ms_step']:.3f} ms/step (device {v['device_step_ms']:.3f}, x{v['tick_over_device_step']:.3f})"
+                for c, v in res.items()), flush=True)
+    names = list(trees)
+    summary = {}
+    for c in args.cases:
+        med = {n: statistics.median(x[c]["ms_step"] for x in runs if x["tree"] == n) for n in names}
+        dev = {n: statistics.median(x[c]["device_step_ms"] for x in runs if x["tree"] == n) for n in names}
+        summary[c] = {"ms_step_median": med, "device_step_ms_median": dev,
+                      "ratio_vs_first": {n: med[n] / med[names[0]] for n in names}}
+        print(f"{c}: " + ", ".join(f"{n} {med[n]:.3f} ms ({med[n] / med[names[0]]:.3f}x)" for n in names))
+    if args.out:
+        import jax
+
+        payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "trees": trees, "runs": runs,
+                   "summary": summary}
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
