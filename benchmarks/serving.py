@@ -308,6 +308,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: run as the server child
     args = ap.parse_args()
+    from benchmarks.common import QUICK
+
+    if QUICK:
+        args.concurrency, args.requests_per_client = args.concurrency[:1], 2
+        args.new_tokens = min(args.new_tokens, 64)
     if args.serve is not None:
         serve_child(json.loads(args.serve))
         return

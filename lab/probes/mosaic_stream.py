@@ -12,8 +12,8 @@ adds its tiles into a register accumulator. Tiles [64, 128] x 4 or 8 stages, [64
   XLA jnp.sum            XLA's own read of each matrix, one kernel each.
 Reports us per matrix against the floor (bytes / 3.11 TB/s) and the error of the sums.
 
-    python benchmarks/probes/mosaic_stream.py --bench        # GPU (jax 0.11.2)
-    python benchmarks/probes/mosaic_stream.py --interpret    # CPU: the stream without barrier, Mosaic GPU interpret mode
+    python lab/probes/mosaic_stream.py --bench        # GPU (jax 0.11.2)
+    python lab/probes/mosaic_stream.py --interpret    # CPU: the stream without barrier, Mosaic GPU interpret mode
 """
 import sys
 import time

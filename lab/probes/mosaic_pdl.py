@@ -3,7 +3,7 @@ Compiles `kernel(x @ w)` for a trivial Mosaic GPU kernel (`plgpu.kernel`, a copy
 `griddepcontrol_wait` in it, beside the same with a Pallas Triton kernel (+1), and prints each custom call's PDL mark
 from the compiled HLO and whether the result is right. GPU only.
 
-    python benchmarks/probes/mosaic_pdl.py
+    python lab/probes/mosaic_pdl.py
 """
 
 import functools

@@ -3,7 +3,7 @@ array staged through pinned host memory first. (Probe for the 1 ms seen in the m
 the same jitted call on an array already on the device (is it the dispatch, not the transfer?), a device_put started
 from a second thread (does the main thread still pay?), and device_put(donate=True) where this jax has it.
 
-    python benchmarks/probes/h2d_while_busy.py
+    python lab/probes/h2d_while_busy.py
 """
 
 import concurrent.futures

@@ -3,7 +3,7 @@ walked through three valid documents (SmolLM2 tokenizer, 49,152 tokens), mask ti
 32 matchers at mixed states filled at once by the default executor, a 1-thread and a 2-thread one. Compare with the
 `mask` column of benchmarks/constrained.py, which times the same fill inside the engine.
 
-    python benchmarks/probes/mask_fill.py
+    python lab/probes/mask_fill.py
 """
 
 import json

@@ -3,7 +3,7 @@ jphoton (`llama.forward` with the dense reference attention), Llama-3.2-1B shape
 benchmarks/vs_pytorch.py. Separates "the model math differs" (the float32 rows, ~1e-5 when the semantics match) from
 "bf16 rounding differs" (the bf16 rows) and, run beside vs_pytorch's engine agreement, from the engine's own path.
 
-    python benchmarks/probes/bf16_drift.py            # GPU when torch sees one, else CPU (2 prompts x 64 tokens)
+    python lab/probes/bf16_drift.py            # GPU when torch sees one, else CPU (2 prompts x 64 tokens)
 """
 
 import gc

@@ -1,9 +1,9 @@
 """Decode matmuls (issue 8, item 2): XLA (unfused / fused) vs the Pallas GEMV (pallas_kernels/gemv.py) per matmul of
 Llama-3.2-1B, and the engine's whole decode step with each matmul path and params layout.
 
-    python benchmarks/decode_matmul.py --out /tmp/dm.json                 # kernels: every shape, M = 1 8 32, sweep
-    python benchmarks/decode_matmul.py --part e2e --out /tmp/dm-e2e.json  # the engine step, B = 1 32
-    python benchmarks/decode_matmul.py --smoke                            # tiny shapes on the CPU (interpret mode)
+    python lab/decode_matmul.py --out /tmp/dm.json                 # kernels: every shape, M = 1 8 32, sweep
+    python lab/decode_matmul.py --part e2e --out /tmp/dm-e2e.json  # the engine step, B = 1 32
+    python lab/decode_matmul.py --smoke                            # tiny shapes on the CPU (interpret mode)
 
 kernels: for each matmul of one Llama-3.2-1B layer (bf16) and M activation rows:
     qkv      [M, 2048] @ [2048, 3072]    (XLA unfused: three dots 2048x2048, 2048x512, 2048x512)
@@ -19,7 +19,7 @@ repeated jit calls. TB/s = weight bytes / time, beside the read bandwidth of a `
 in the same run. err = max|out - ref| / max|ref| against `jnp.dot(..., preferred_element_type=f32)` (layer 0).
 
 e2e: random:llama3.2-1b in the engine (unrolled layers, the default attention), variants matmul kind x params
-unfused|fused (--variants), `benchmarks.pipeline.device_step_ms` (the real step, back to back, no host work between) at
+unfused|fused (--variants), `LLM.device_step_ms` (the real step, back to back, no host work between) at
 B = --batch. Only the decode-only shapes are compiled (unrolled 1B: ~30-45 s per shape on a cold cache).
 
 After the run: put the sweep's winners into pallas_kernels/gemv.py `default_config`, and set
@@ -260,35 +260,17 @@ def _attention_config(spec: str | None):
 
 
 def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
-    from benchmarks.pipeline import device_step_ms
     from jphoton import LLM
-    from jphoton.engine.step import StepShape
     from jphoton.models.protocol import llama_family
     from jphoton.weights import load_model
 
     rows = []
     matmul, layout = variant.split(" ")[0].rsplit("-", 1)
-    merge = matmul.endswith("/merge")  # "/merge": the attention's splits merged in the kernel, not by XLA
-    matmul = matmul.removesuffix("/merge")
     if matmul in ("xla-glu", "xla-residual"):  # "fused" in parts (the residual kernel at any row count)
         from jphoton.models.matmul import XlaMatmul
 
         matmul = XlaMatmul(glu_gemv=matmul == "xla-glu", residual_gemv=matmul == "xla-residual")
-    elif matmul == "mlp":  # "fused" with the whole MLP in one kernel (pallas_kernels/mlp_decode.py)
-        from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
-
-        matmul = XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                           mlp_kernel=True)
-    elif matmul in ("finish-qkv", "finish-residual"):  # "finish" in parts
-        from jphoton.models.matmul import FUSED_RESIDUAL_MIN_ROWS, XlaMatmul
-
-        matmul = XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                           split_finish=(matmul.split("-")[1],))
-    from pallas_kernels import paged_decode_attention as pda
-
-    stack = contextlib.ExitStack()
     try:
-        stack.enter_context(mock.patch.object(pda, "ENGINE_MERGES_SPLITS", merge))
         loaded = load_model(spec, None)
         model = llama_family(loaded.config, loaded.params, name=spec, unroll_layers=True, matmul=matmul,
                              fuse=layout == "fused")
@@ -300,11 +282,9 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
                   prefill_buckets=((1, 32),), context_buckets=(pages,), warmup=False,
                   num_kv_pages=B * pages + 8, progress=False)
-        bucket = 0 if llm.engine.runner.static.pallas_decode else pages
         for b in args.batch:
-            llm.engine.runner.layout(StepShape(b, 0, 0, bucket))
             t0 = time.perf_counter()
-            ms = device_step_ms(llm, b, reps=args.step_reps, context=args.ctx)
+            ms = llm.device_step_ms(b, context=args.ctx, steps=args.step_reps)
             row = {"variant": variant, "B": b, "step_ms": ms, "first_call_s": time.perf_counter() - t0}
             rows.append(row)
             print(f"e2e {variant:<16} B={b:<3} {ms:7.3f} ms/step", flush=True)
@@ -313,8 +293,6 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         rows.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:300]})
         print(f"e2e {variant} FAILED: {e}", flush=True)
         traceback.print_exc()
-    finally:
-        stack.close()
     return rows
 
 
@@ -333,12 +311,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="kernels: after this many seconds, time only the default config (stay inside the time box)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode rows (e2e)")
-    ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused", "pallas-fused"],
-                    help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|pallas|fused|"
-                         "finish), xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), "
-                         "finish-qkv / finish-residual (\"finish\" for one of its two parts), mlp (\"fused\" with the MLP "
-                         "in one kernel, pallas_kernels/mlp_decode.py), "
-                         "optionally + '/merge' (attention splits merged in the kernel, not by XLA), LAYOUT "
+    ap.add_argument("--variants", nargs="+", default=["xla-fused", "fused-fused"],
+                    help="e2e: MATMUL-LAYOUT with MATMUL a kind of models/matmul.py (xla|xla-plain|fused), "
+                         "xla-glu (XlaMatmul(glu_gemv=True)) or xla-residual (XlaMatmul(residual_gemv=True)), LAYOUT "
                          "unfused|fused")
     ap.add_argument("--attn-configs", nargs="+", default=None, metavar="BxS[xST[xW]]",
                     help="e2e: run each variant with these Pallas decode attention configs (block tokens x splits "
@@ -356,9 +331,8 @@ def main() -> None:
         args.batch = [1, 2]
         args.step_reps = 2
     for v in args.variants:
-        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "pallas", "fused", "finish", "finish-qkv",
-                   "finish-residual", "mlp")
-        if v.rsplit("-", 1)[0].removesuffix("/merge") not in matmuls or not v.endswith(("-unfused", "-fused")):
+        matmuls = ("xla", "xla-plain", "xla-glu", "xla-residual", "fused")
+        if v.rsplit("-", 1)[0] not in matmuls or not v.endswith(("-unfused", "-fused")):
             ap.error(f"unknown variant {v!r}")
     info = device_info()
     print(info, flush=True)

@@ -3,7 +3,7 @@ against the earlier form (a greedy argmax, a sampled argmax and a select), on [B
 in the compiled HLO, device time per call (`--inner` calls inside one jitted loop, each with its own output index, so
 dispatch is out of the number and nothing is hoisted), alternated in one process, and the tokens of both compared.
 
-    python benchmarks/probes/sampler_argmax.py --batch 2 32 128 --vocab 128256
+    python lab/probes/sampler_argmax.py --batch 2 32 128 --vocab 128256
 """
 
 import argparse

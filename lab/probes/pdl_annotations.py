@@ -3,7 +3,7 @@ programmatic dependent launch (PDL: the frontend attribute xla.pdl_launch, the k
 drains), and which consumers it marks xla.no_invariant_operands. Prints one line per custom call and per kCustom / kLoop
 / kInput fusion. GPU only (the CPU backend has no PDL).
 
-    python benchmarks/probes/pdl_annotations.py
+    python lab/probes/pdl_annotations.py
 """
 
 import re
@@ -11,9 +11,9 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 3)[0])
 
-from benchmarks.kernel_profile import compiled_text  # noqa: E402
 from jphoton import LLM  # noqa: E402
 from jphoton.engine.step import StepShape  # noqa: E402
+from lab.common import compiled_text  # noqa: E402
 
 
 def main() -> None:

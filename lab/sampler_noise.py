@@ -6,7 +6,7 @@ alone and dispatched back to back; rows alternate greedy and sampled, as a mixed
 process, so their ratio is the claim; the absolute microseconds sit outside the engine step (where XLA may fuse the
 sampler into the LM head's neighbours).
 
-    python3 benchmarks/sampler_noise.py --batch 2 32 128 --vocab 128256 --out sampler_noise.json
+    python3 lab/sampler_noise.py --batch 2 32 128 --vocab 128256 --out sampler_noise.json
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main():
 
     rows = run(args.batch, args.vocab, args.reps, args.rounds)
     if args.out:
-        write_json(args.out, {**device_info(), "command": "benchmarks/sampler_noise.py", "args": vars(args),
+        write_json(args.out, {**device_info(), "command": "lab/sampler_noise.py", "args": vars(args),
                               "rows": rows})
 
 

@@ -21,8 +21,8 @@ more host time than one on a device input; the carrier is now one donated persis
 and the device time of a step back to back. Run once per XLA_FLAGS setting (gpu_suite.sh section probe-dispatch),
 since how XLA launches the step's ~100-400 kernels (one by one or as a CUDA graph) is what the host pays for.
 
-    python benchmarks/probes/dispatch_cost.py --model random:llama3.2-1b --rows 1 32 --out DIR --tag default
-    python benchmarks/probes/dispatch_cost.py --smoke      # tiny model on the CPU: checks the plumbing
+    python lab/probes/dispatch_cost.py --model random:llama3.2-1b --rows 1 32 --out DIR --tag default
+    python lab/probes/dispatch_cost.py --smoke      # tiny model on the CPU: checks the plumbing
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 3)[0])
 
-from benchmarks.common import decode_step_input, device_info, steps_back_to_back, write_json  # noqa: E402
+from benchmarks.common import device_info, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
 from jphoton.engine.step import StepShape  # noqa: E402
+from lab.common import decode_step_input, steps_back_to_back  # noqa: E402
 
 
 def _step(runner, shape, packed):

@@ -6,7 +6,7 @@ kernel pays its boundary), beside the engine's kernel for that matrix at M=2 in 
 If the pure read of a matrix takes about as long as its GEMV, the GEMV has no headroom left at that size: what
 remains above the floor is ramp, tail and the boundary, which no better GEMV removes.
 
-    python benchmarks/probes/stream_headroom.py [--out FILE]
+    python lab/probes/stream_headroom.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/", 3)[0])
 
 from benchmarks.common import device_info, read_bandwidth  # noqa: E402
-from benchmarks.decode_matmul import _normal, _time  # noqa: E402
 from jphoton.models.matmul import two_row_dot  # noqa: E402
+from lab.decode_matmul import _normal, _time  # noqa: E402
 from pallas_kernels.gemv import gemv  # noqa: E402
 
 LAYERS = 16
