@@ -201,7 +201,7 @@ def _print_table(rows: list[dict], bw: float) -> None:
         print(line + (f"{sp:>15.2f}x" if sp else ""))
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
     ap.add_argument("--out", default=None, help="JSON results file")
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--time-per-path", type=float, default=0.3, help="seconds of timed calls per path and case")
     ap.add_argument("--max-reps", type=int, default=200)
     ap.add_argument("--max-pool-gib", type=float, default=40.0, help="skip cases whose KV pool is larger")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if QUICK:
         args.batch, args.ctx, args.time_per_path = args.batch or [1, 32], args.ctx or [512, 8192], 0.1
     logging.basicConfig(level=logging.WARNING)
@@ -223,6 +223,7 @@ def main() -> None:
     print(f"done in {result['wall_s']:.0f}s", flush=True)
     if args.out:
         write_json(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
                 if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b:vocab=49152")
     ap.add_argument("--tokenizer", default="benchmarks/assets/smollm2-tokenizer")
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.export_tokenizer:
         return export_tokenizer(args.export_tokenizer)
     if QUICK:
@@ -132,6 +132,7 @@ def main() -> None:
     print("sample outputs:", *samples[:3], sep="\n  ")
     write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "rows": rows,
                                                 "samples": samples[:4]})
+    return rows
 
 
 def export_tokenizer(path: str) -> None:

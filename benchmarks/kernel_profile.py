@@ -75,7 +75,7 @@ def one_step_timeline(events: list[tuple[int, int, str]], steps: int) -> list[di
     return out
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 32], help="decode rows of the profiled steps")
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.rows, args.steps, args.ctx = "random:smollm2-135m:layers=2", [2], 3, 64
     if QUICK:

@@ -384,7 +384,7 @@ def check(args) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("layer", "e2e", "check"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=2, choices=(1, 2), help="e2e: pipeline depth")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if QUICK:
         args.batch = [1] if args.mode == "e2e" else [1, 32]
         args.reps, args.new_tokens, args.layers, args.shapes = 3, min(args.new_tokens, 16), 4, args.shapes[:1]
@@ -413,6 +413,7 @@ def main() -> None:
     print(f"done in {result['wall_s']:.0f}s", flush=True)
     if args.out:
         write_json(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

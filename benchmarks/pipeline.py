@@ -35,7 +35,11 @@ PROMPT = 64
 
 def plot_timelines(path: str, runs: dict[str, list[dict]], window: int = 12) -> None:
     """Host activity (plan+launch, commit) and the device's busy span per step, blocking vs pipelined."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the CPU smoke run's environment; the GPU image has it
+        print(f"matplotlib is not installed: no plot written ({path})")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -65,7 +69,7 @@ def plot_timelines(path: str, runs: dict[str, list[dict]], window: int = 12) -> 
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["random:smollm2-135m", "random:llama3.2-1b"])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -73,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--dtype", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if QUICK:
         args.streams, args.requests_per_stream = [1, max(args.streams)], 2
     info = device_info()
@@ -126,6 +130,7 @@ def main() -> None:
     plot_timelines(f"{args.out}/pipeline_timeline{tag}.png", {name: timelines[name] for name in shown})
     write_json(f"{args.out}/pipeline{tag}.json", {"info": info, "rows": rows})
     write_json(f"{args.out}/pipeline_timelines{tag}.json", timelines)
+    return rows
 
 
 if __name__ == "__main__":

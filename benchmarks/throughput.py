@@ -30,7 +30,7 @@ from benchmarks.common import (  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default="throughput.json")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the read-bandwidth probe")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if QUICK:
         args.batch, args.new_tokens, args.depths = [1, max(args.batch)], min(args.new_tokens, 32), [2]
     logging.basicConfig(level=logging.WARNING)
@@ -85,6 +85,7 @@ def main() -> None:
         del llm
     write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
                           "weight_bytes": wbytes})
+    return rows
 
 
 if __name__ == "__main__":

@@ -393,7 +393,7 @@ def jphoton_child(args, shape, batches, P, N, ctx_prompt) -> None:
 
 
 # ---- main -----------------------------------------------------------------------------------------------------------
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on CPU in float32 (checks the plumbing)")
@@ -423,7 +423,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default=None, help="output file suffix (default: the shape)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join earlier runs' JSON files")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from benchmarks.common import QUICK
 
     if QUICK and not args.merge:  # the same rows, one B, fewer tokens and reps
