@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 import os
 import pathlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -16,12 +18,13 @@ import numpy as np
 
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
-from jphoton.engine.engine import Engine, Output
-from jphoton.engine.scheduler import SchedulerConfig
+from jphoton.engine.config import EngineConfig
+from jphoton.engine.pipeline import Engine
+from jphoton.engine.telemetry import Telemetry
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.params import Completion, SamplingParams
-from jphoton.sequence import Delta, Sequence
+from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.store import cache_dir
 
@@ -29,131 +32,57 @@ log = logging.getLogger("jphoton")
 
 Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
 Message = dict  # {"role": ..., "content": ...}
-DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table
 
 
 class LLM:
-    """Load a model and serve it through the paged, continuously batched engine.
+    """Load a model and serve it through the paged, continuously batched, pipelined engine.
 
-    model: a HF directory, a .gguf file, a jphoton store (from `jphoton convert`), `random:NAME[:layers=N]`, None for
-    the embedded SmolLM2-135M-Instruct, or a `JaxModel` (your own forward function + params, see models/protocol.py).
+    model: a HF directory, a .gguf file, a jphoton store (`jphoton convert`), `random:NAME[:layers=N]`, None for the
+    embedded SmolLM2-135M-Instruct, or a `JaxModel` (your own forward function + params, models/protocol.py).
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
-    moe_backend: how MoE layers run: "warp_decode" (Pallas kernels), "expert_centric" (grouped GEMM) or "auto" (warp
-    decode for steps of at most models.moe.WARP_DECODE_MAX_TOKENS tokens). Ignored by dense models.
-    matmul: how dense weight matmuls and the LM head run: "xla" (one-token steps padded to two rows, see
-    models/matmul.py), "xla-plain", "pallas" (pallas_kernels/gemv.py for decode-sized steps and matrices below 10M
-    elements, XLA otherwise), "fused" ("xla" plus, in decode-sized steps, the GEMV with SwiGLU in its epilogue for
-    gate+up and the residual add + RMSNorm kernel after O and down) or "auto" ("fused" on GPU, the fastest step on the
-    H100; "xla-plain" on CPU), or a hook object of models/matmul.py. Loaded
-    weights are served in the fused layout (one QKV and one gate+up matrix per layer, models/llama.py `fuse_params`).
-    attention: "dynamic" (plain-JAX loop over the real context; the CPU default), "static" (plain-JAX gather over a
-    context bucket per step), "pallas" (decode rows through the Pallas kernel in pallas_kernels/paged_decode_attention.py,
-    whose loop follows each row's length, so decode-only steps have no context bucket; prefill rows as "static";
-    interpret mode, slow, on CPU) or "auto" ("pallas" on GPU, "dynamic" on CPU).
-    dtype: None = float32 on CPU, bfloat16 on GPU. pipeline_depth: 1 = blocking loop, 2 = pipelined.
-    dispatch_thread: make the device calls on a dispatcher thread, in order, while this thread commits, plans and
-    builds grammar masks (engine/dispatch.py). Off by default: on the H100 it shortened the 32-stream step period by
-    10% and slowed 1 and 8 streams by up to 12% (RESULTS.md).
-    freeze_gc: once built, collect and `gc.freeze()` every object alive (the model, JAX's and the importer's modules):
-    the cyclic GC's full collections would otherwise scan them all from inside the engine loop. On the H100 host with
-    torch and transformers also loaded, one decode tick at B=128 took 726 ms while every other took ~2.4 ms; a full
-    collection here costs 80-180 ms with jax alone (RESULTS.md). vLLM freezes its start-up objects for the same reason.
-    Without warm-up, a tick that compiles a new shape freezes again after it (the compile's objects would otherwise
-    be rescanned: a 98.7 ms full pass inside a B=32 tick on the H100, RESULTS.md).
-    Bucket sets fix every step shape up front; all of them are compiled at start-up (`warmup=True`), so serving
-    never compiles.
+    config: an `EngineConfig`; keyword options (`max_num_seqs=`, `pipeline_depth=`, `attention=`, ...: every field of
+    EngineConfig and of its groups, see `EngineConfig.option_names()`) are applied on top of it. The defaults are the
+    fast path for the device: pipelined decoding, Pallas kernels on GPU, every step shape compiled at start-up.
     """
 
-    def __init__(self, model: str | JaxModel | None = None, *, dtype=None, max_model_len: int | None = None,
-                 seed: int = 0, pipeline_depth: int = 1, page_size: int = 16, num_kv_pages: int | None = None,
-                 kv_memory_fraction: float = 0.85, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 decode_buckets: tuple[int, ...] | None = None,
-                 prefill_buckets: tuple[tuple[int, int], ...] | None = None,
-                 context_buckets: tuple[int, ...] | None = None, attention: str = "auto",
-                 unroll_layers: bool | None = None, max_logprobs: int = 20,
-                 cache_converted: bool | None = None, progress: bool = True, warmup: bool = True,
-                 tokenizer: str | os.PathLike | None = None, moe_backend: str = "auto", matmul: str = "auto",
-                 dispatch_thread: bool = False, freeze_gc: bool = True):
+    def __init__(self, model: str | os.PathLike | JaxModel | None = None, *, config: EngineConfig | None = None,
+                 tokenizer: str | os.PathLike | None = None, **options):
+        cfg = EngineConfig.from_kwargs(config, **options).resolve_kernels(jax.default_backend())
+        check_moe_backend(cfg.kernels.moe_backend)
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
-        accelerator = jax.default_backend() != "cpu"
-        if attention == "auto":
-            # GPU: decode rows through the Pallas kernel (1.4-3.2x the static gather on the H100, RESULTS.md), prefill
-            # rows over static context buckets (an XLA data-dependent loop would sync the host every iteration).
-            # CPU: the plain-JAX loop (the kernel would run in interpret mode there: correct, slow).
-            attention = "pallas" if accelerator else "dynamic"
-        if attention not in ("static", "dynamic", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'static', 'dynamic' or 'pallas', got {attention!r}")
-        if unroll_layers is None:
-            unroll_layers = accelerator
-        check_moe_backend(moe_backend)
         if isinstance(model, JaxModel):
             self.model = model
         else:
-            loaded = load_model(model, dtype, cache=cache_converted, progress=progress)
+            loaded = load_model(model, cfg.dtype, cache=cfg.cache_converted, progress=cfg.progress)
+            k = cfg.kernels
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
-                                      unroll_layers=unroll_layers, moe_backend=moe_backend, matmul=matmul, fuse=True)
-        self.config = self.model.config
+                                      unroll_layers=k.unroll_layers, moe_backend=k.moe_backend, matmul=k.matmul,
+                                      fuse=True)
+        self.config = self.model.config  # the model's config (ModelConfig); the engine's is `engine_config`
         self.tokenizer = self.model.tokenizer
         if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer
             self.tokenizer = _load_tokenizer(tokenizer, self.config.vocab_size)
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len <= limit):
-            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {max_model_len!r}")
-        self.max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
-        if not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be a non-negative integer, got {max_logprobs!r}")
-        self.max_logprobs = max_logprobs
-        self._seed_rng = np.random.default_rng(seed)
+        cfg = cfg.resolve_shapes(self.config.max_position_embeddings, self.model.min_decode_rows)
+        if cfg.num_kv_pages is None:
+            cfg = dataclasses.replace(cfg, num_kv_pages=_default_num_pages(self.config, cfg, self.model.params))
+        self.engine_config: EngineConfig = cfg
+        self.max_model_len = cfg.max_model_len
+        self._seed_rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
-        pages_per_seq = -(-self.max_model_len // page_size)
-        if attention in ("static", "pallas"):  # "pallas": the buckets serve prefill rows only
-            context_buckets = tuple(context_buckets or _default_context_buckets(pages_per_seq))
-            if context_buckets[-1] < pages_per_seq:
-                raise ValueError(f"the largest context bucket ({context_buckets[-1]} pages) must cover max_model_len "
-                                 f"({pages_per_seq} pages of {page_size})")
-        else:
-            context_buckets = ()
-        decode_buckets = tuple(decode_buckets or _pow2_buckets(max_num_seqs))
-        if self.model.min_decode_rows > 1:  # e.g. one-row steps would pad every matmul (models/matmul.py)
-            rounded = tuple(sorted({max(b, self.model.min_decode_rows) for b in decode_buckets}))
-            if rounded != decode_buckets:
-                log.info("decode buckets %s -> %s: this model's matmuls run decode steps of >= %d rows",
-                         decode_buckets, rounded, self.model.min_decode_rows)
-            decode_buckets = rounded
-        sched = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            decode_buckets=decode_buckets,
-            prefill_buckets=prefill_buckets or _default_prefill_buckets(max_num_batched_tokens),
-            context_buckets=context_buckets, pallas_decode=attention == "pallas")
-        self.attention = attention
-        if num_kv_pages is None:
-            num_kv_pages = _default_num_pages(self.config, self.max_model_len, page_size, max_num_seqs,
-                                              kv_memory_fraction, self.model.params)
+        self._lock = threading.Lock()  # request ids and seeds, when callers prepare requests from several threads
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
-        self.engine = Engine(self.model, sched=sched, num_pages=num_kv_pages, page_size=page_size,
-                             max_model_len=self.max_model_len, pipeline_depth=pipeline_depth, max_logprobs=max_logprobs,
-                             grammar=self.grammar, dispatch_thread=dispatch_thread)
-        buckets = f", context buckets {context_buckets} pages" if context_buckets else ""
-        if attention == "pallas":
-            from pallas_kernels.paged_decode_attention import path_name
-
-            attn_desc = f"{path_name()} for decode rows, plain-JAX paged (static{buckets}) for prefill rows"
-        else:
-            attn_desc = f"plain-JAX paged ({attention}{buckets})"
-        log.info("engine: %d KV pages x %d tokens (%.1f MiB), pipeline depth %d, attention: %s, layers %s, device "
-                 "calls %s", num_kv_pages, page_size, self.engine.runner.kv_bytes / 2**20, pipeline_depth, attn_desc,
-                 "unrolled" if unroll_layers else "scanned",
-                 "on a dispatcher thread" if dispatch_thread else "inline")
-        if warmup:
-            self.engine.runner.warmup(progress=progress)
-        if freeze_gc:
+        self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
+        log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
+        if cfg.warmup:
+            self.engine.runner.warmup(progress=cfg.progress)
+        if cfg.freeze_gc:
             _freeze_gc()
             self.engine.refreeze_gc = True  # and again after any tick that compiled (warmup=False)
-        self._outputs: dict[int, collections.deque[Output]] = {}
+        self._outputs: dict[int, collections.deque[RequestOutput]] = {}
 
-    # ---- public -----------------------------------------------------------------------------------------------------
+    # ---- one call, many prompts --------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  ) -> list[Completion]:
         """Generate for one prompt or a list; returns one Completion per prompt, in order."""
@@ -194,6 +123,63 @@ class LLM:
                 on_delta(delta)
         return seq.completion()
 
+    def encode_chat(self, messages: Seq[Message]) -> list[int]:
+        return self._require_tokenizer().encode_chat(list(messages))
+
+    # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Validate and tokenize a request without queueing it (safe from any thread); `add_request` queues it.
+        Raises ValueError on bad input."""
+        with self._lock:
+            [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        return seq
+
+    def add_request(self, prompt: Prompt | Sequence, params: SamplingParams | None = None) -> int:
+        """Queue a request (a prompt, or what `prepare_request` returned) and return its id; `step` runs it."""
+        seq = prompt if isinstance(prompt, Sequence) else self.prepare_request(prompt, params)
+        self.engine.add(seq)
+        return seq.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One engine tick: launch the next step, commit the one before, finalize grammar sampling. Returns what each
+        request got (its last output has `finished` set). Outputs of `generate`/`stream` requests go to them too."""
+        outputs = self.engine.step()
+        for out in outputs:
+            queue = self._outputs.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
+        return outputs
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """End a request now (finish_reason "abort"); its KV pages come back once no launched step references it.
+        Returns its last output, or None if it is unknown or already finished."""
+        return self.engine.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Anything queued, running, or still in flight on the device."""
+        return self.engine.has_work()
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Host timestamps of every committed step (plan, launch, commit, finalize), engine/telemetry.py."""
+        return self.engine.telemetry
+
+    def stats(self) -> dict:
+        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events)."""
+        return {**self.engine.stats(), "num_compiles": compiles.num_compiles()}
+
+    def device_step_ms(self, rows: int, *, context: int = 0, steps: int = 30, sampler: str | None = None) -> float:
+        """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the
+        device's own step time, which the pipelined loop should match. Each row attends over `context` tokens (0:
+        padding rows); sampler="masked" adds the grammar sampler after each step. Needs an idle engine (it overwrites
+        KV pages); compiles the shape if warm-up did not."""
+        if sampler not in (None, "masked"):
+            raise ValueError(f"sampler must be None or 'masked', got {sampler!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("device_step_ms needs an idle engine: requests are still live")
+        return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked")
+
+    # ---- the engine loop for generate/stream (synchronous: runs in the caller's thread) ------------------------------
     def _stream(self, seq: Sequence) -> Iterator[Delta]:
         self._submit(seq)
         try:
@@ -208,23 +194,12 @@ class LLM:
         finally:
             self._close(seq)
 
-    def encode_chat(self, messages: Seq[Message]) -> list[int]:
-        return self._require_tokenizer().encode_chat(list(messages))
-
-    def stats(self) -> dict:
-        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events)."""
-        return {**self.engine.stats(), "num_compiles": compiles.num_compiles()}
-
-    # ---- the engine loop (synchronous: runs in the caller's thread) -------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
         self._outputs[seq.request_id] = collections.deque()
         self.engine.add(seq)
 
     def _tick(self) -> None:
-        for out in self.engine.step():
-            queue = self._outputs.get(out.seq.request_id)
-            if queue is not None:
-                queue.append(out)
+        self.step()
 
     def _close(self, seq: Sequence) -> None:
         """Abort if unfinished, then run the pipeline until no launched step references the sequence (so its pages are
@@ -289,8 +264,8 @@ class LLM:
             if need > pool.num_pages:
                 raise ValueError(f"request needs {need} KV pages but the whole pool holds {pool.num_pages}; "
                                  "lower max_tokens or give the engine more KV memory")
-            if p.logprobs and p.logprobs > self.max_logprobs:
-                raise ValueError(f"logprobs={p.logprobs} exceeds this engine's max_logprobs={self.max_logprobs}")
+            if p.logprobs and p.logprobs > self.engine_config.max_logprobs:
+                raise ValueError(f"logprobs={p.logprobs} exceeds this engine's max_logprobs={self.engine_config.max_logprobs}")
             bad = [t for t in p.stop_token_ids if t >= self.config.vocab_size]
             if bad:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
@@ -325,44 +300,38 @@ def _load_tokenizer(path, vocab_size: int):
     return tok
 
 
-def _geometric_buckets(start: int, factor: int, last: int) -> tuple[int, ...]:
-    """start, start*factor, ... below `last`, then `last` itself."""
-    out, b = [], start
-    while b < last:
-        out.append(b)
-        b *= factor
-    return (*out, last)
-
-
 def _freeze_gc() -> None:
     gc.collect()
     gc.freeze()
     log.info("garbage collector: %d objects frozen (full collections no longer scan them)", gc.get_freeze_count())
 
 
-def _pow2_buckets(n: int) -> tuple[int, ...]:
-    return _geometric_buckets(1, 2, n)
+def _describe(cfg: EngineConfig, kv_bytes: int) -> str:
+    """The log line that says which paths run."""
+    from jphoton.models import matmul
+
+    k, b = cfg.kernels, cfg.buckets
+    if k.attention == "pallas":
+        from pallas_kernels.paged_decode_attention import path_name
+
+        attention = f"{path_name()} for decode rows, plain-JAX static context buckets for prefill rows"
+    else:
+        attention = {"static": "plain-JAX static context buckets", "dynamic": "plain-JAX dynamic loop"}[k.attention]
+    mm = matmul.resolve(k.matmul) if isinstance(k.matmul, str) else type(k.matmul).__name__
+    return (f"{cfg.num_kv_pages} KV pages x {cfg.page_size} tokens ({kv_bytes / 2**20:.1f} MiB), pipeline depth "
+            f"{cfg.pipeline_depth}, max_model_len {cfg.max_model_len}, attention: {attention}, matmul {mm}, "
+            f"layers {'unrolled' if k.unroll_layers else 'scanned'}, buckets: decode {b.decode}, prefill {b.prefill}, "
+            f"context {b.context}")
 
 
-def _default_prefill_buckets(budget: int) -> tuple[tuple[int, int], ...]:
-    shapes = [(1, 32), (1, 128), (4, 128), (1, 512)]
-    fit = tuple((r, t) for r, t in shapes if r * t <= budget)
-    return fit or ((1, budget),)
-
-
-def _default_context_buckets(pages_per_seq: int) -> tuple[int, ...]:
-    """Powers of four from 512 tokens (32 pages of 16) up to the whole context: few compiles, at most 4x waste."""
-    return _geometric_buckets(32, 4, pages_per_seq)
-
-
-def _default_num_pages(cfg, max_model_len: int, page_size: int, max_num_seqs: int, fraction: float, params) -> int:
+def _default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:
     """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
     dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
-    page_bytes = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    wanted = max_num_seqs * -(-max_model_len // page_size)
+    page_bytes = 2 * model_cfg.num_layers * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * dtype_bytes
+    wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.page_size)
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * fraction)
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * cfg.kv_memory_fraction)
     else:
         budget = 256 * 2**20
     return max(1, min(wanted, budget // page_bytes))

@@ -21,8 +21,9 @@ def _setup_logging(verbose: bool) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="HF dir, .gguf file, jphoton store or random:NAME (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
+                   help="HF dir, .gguf file, jphoton store, random:NAME or embedded (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: float32 on CPU, bf16 on GPU)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and decoding details to stderr")
 
 
@@ -71,10 +72,9 @@ def _cmd_serve(args) -> int:
     def build():
         from jphoton.api import LLM
 
-        kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
-                  if v is not None}
         # Warm-up compiles every step shape before health turns SERVING: serving itself never compiles.
-        return LLM(args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth, progress=True, **kwargs)
+        return LLM(args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth, max_num_seqs=args.max_num_seqs,
+                   max_model_len=args.max_model_len)
 
     try:
         asyncio.run(run_until_signal(build, host=args.host, port=args.port, max_queue=args.max_queue,
@@ -89,8 +89,9 @@ def _cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    show_defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
-    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **show_defaults)
     g.add_argument("prompt")
     _add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
@@ -104,22 +105,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")
     g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading")
-    c.add_argument("src", help="HF dir, .gguf file or random:NAME")
+    c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading",
+                       **show_defaults)
+    c.add_argument("src", help="HF dir, .gguf file, random:NAME or embedded")
     c.add_argument("dest")
     _add_model_args(c)
     c.set_defaults(func=_cmd_convert)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC (jphoton.v1.Engine, health, reflection; server/)")
+    s = sub.add_parser("serve", help="serve the model over gRPC (jphoton.v1.Engine, health, reflection; server/)",
+                       **show_defaults)
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only unless changed)")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
     s.add_argument("--max-queue", type=int, default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    s.add_argument("--max-num-seqs", type=int, default=None, help="engine batch size (default 64)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default min(model, 8192))")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--max-message-mb", type=int, default=16, help="gRPC message size limit, MiB")
     s.add_argument("--grace", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")

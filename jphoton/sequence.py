@@ -17,6 +17,22 @@ class Delta:
     finish_reason: str | None = None
 
 
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """What one engine tick produced for one request (`LLM.step`, `AsyncLLM.generate`)."""
+
+    request_id: int
+    delta: Delta  # the tokens and text this tick added; `finish_reason` set on the request's last output
+    logprobs: list | None = None  # [(token, logprob, {top id: logprob})] when the request asked for logprobs
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # output tokens so far
+    error: str | None = None  # why, when finish_reason is "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.delta.finish_reason is not None
+
+
 class Sequence:
     """One request's output as it grows: appends tokens, detokenizes, detects every stop condition.
 
@@ -94,6 +110,9 @@ class Sequence:
         if not self.finished:
             self.finish_reason, self.error = reason, error
         return self._delta([])
+
+    def output(self, delta: Delta, logprobs: list | None = None) -> RequestOutput:
+        return RequestOutput(self.request_id, delta, logprobs, len(self.prompt_ids), len(self.output_ids), self.error)
 
     def _check_stop_strings(self) -> None:
         if not self.params.stop:

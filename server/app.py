@@ -106,7 +106,7 @@ class Server:
             # Cancelled streams queued aborts; let the engine loop run them so the LLM is left clean (it may be reused
             # in this process, as the tests do).
             deadline = time.monotonic() + 10
-            while self.llm.engine.sequences and time.monotonic() < deadline:
+            while self.llm.has_unfinished_requests() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             await asyncio.to_thread(engine.shutdown)
         self.metrics.close()

@@ -174,14 +174,13 @@ class EngineServicer:
                 reason = out.delta.finish_reason
                 if reason is not None:
                     finished = True
-                    seq = out.seq
                     msg.finish_reason = reason
-                    msg.usage.prompt_tokens = len(seq.prompt_ids)
-                    msg.usage.completion_tokens = len(seq.output_ids)
+                    msg.usage.prompt_tokens = out.prompt_tokens
+                    msg.usage.completion_tokens = out.completion_tokens
                 if self.metrics is not None:
                     self.metrics.generation_tokens.inc(len(msg.token_ids))
                     if first:
-                        self.metrics.prompt_tokens.inc(len(out.seq.prompt_ids))
+                        self.metrics.prompt_tokens.inc(out.prompt_tokens)
                     if finished:
                         self.metrics.e2e.observe(now - t_arrival)
                 first = False
@@ -189,7 +188,7 @@ class EngineServicer:
                 if reason == "error":
                     # Mid-flight failure of this request only (e.g. its grammar matcher rejected a token): the client
                     # has every token produced so far, and learns why from the status.
-                    await self._fail(context, grpc.StatusCode.ABORTED, out.seq.error or "request failed")
+                    await self._fail(context, grpc.StatusCode.ABORTED, out.error or "request failed")
                 if reason is not None:
                     self._count("OK", reason)
         finally:

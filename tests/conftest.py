@@ -37,12 +37,17 @@ def no_leaked_pages():
         stats = llm.stats()
         assert stats["kv_pages_free"] == stats["kv_pages_total"], f"KV pages leaked: {stats}"
         assert not llm.engine.sequences, "sequences still live after the test"
-        assert not llm.engine.inflight
+        assert not llm.has_unfinished_requests()
 
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    return make_llm()
+    return make_llm()  # the default loop: pipelined, depth 2
+
+
+@pytest.fixture(scope="session")
+def embedded_d1():
+    return make_llm(pipeline_depth=1)  # the blocking loop
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,6 @@ import pytest
 
 from jphoton import SamplingParams
 
-from conftest import make_llm
-
 PERSON = {  # nested objects, bounded integer, string pattern
     "type": "object",
     "properties": {
@@ -76,7 +74,7 @@ def run_batch(llm, temperature: float):
     params = [SamplingParams(max_tokens=200, temperature=temperature, seed=100 + i, **kw)
               for i, (_, kw, _) in enumerate(CASES)]
     params += [SamplingParams(max_tokens=24, temperature=temperature, seed=7 + i) for i in range(len(FREE))]
-    llm.engine.telemetry.clear()
+    llm.telemetry.clear()
     transfers = llm.engine.runner.input_transfers
     # Interleave free and constrained prompts so that both kinds share steps.
     order = [0, len(CASES), 1, 2, len(CASES) + 1, 3, 4, 5, 6]
@@ -88,17 +86,14 @@ def run_batch(llm, temperature: float):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(embedded_d1, embedded_llm):
     """{(depth, temperature): (constrained completions, free completions, step records, host->device input copies)}:
     one engine per depth."""
     results = {}
-    for depth in (1, 2):
-        # depth 2 fills masks on the worker thread, overlapping the commit, and dispatches on the dispatcher thread
-        llm = make_llm(pipeline_depth=depth, dispatch_thread=depth == 2)
-        llm.engine.overlap_masks = depth == 2
+    for depth, llm in ((1, embedded_d1), (2, embedded_llm)):
         for temperature in (0.0, 0.8):
             constrained, free, transfers = run_batch(llm, temperature)
-            results[depth, temperature] = (constrained, free, list(llm.engine.telemetry.records), transfers)
+            results[depth, temperature] = (constrained, free, list(llm.telemetry.records), transfers)
     return results
 
 

@@ -24,20 +24,13 @@ def hf():
     return [(ref[f"prompt_{i}"].tolist(), ref[f"tokens_{i}"].tolist()) for i in range(6)]
 
 
-@pytest.fixture(scope="module")
-def embedded_d2():
-    # The depth-2 engine also makes its device calls on the dispatcher thread, so that every depth-2 test (reference
-    # tokens, zombies, transfer guard) covers that path too.
-    return make_llm(pipeline_depth=2, dispatch_thread=True)
-
-
 def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_mixed_batch_matches_hf_reference_and_alone(embedded_llm, embedded_d2, hf, depth):
-    llm = embedded_llm if depth == 1 else embedded_d2
+def test_mixed_batch_matches_hf_reference_and_alone(embedded_d1, embedded_llm, hf, depth):
+    llm = embedded_d1 if depth == 1 else embedded_llm
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
     for out, (_, ref), n in zip(outs, hf, MAX_TOKENS, strict=True):
         assert out.token_ids == ref[:n]
@@ -51,7 +44,7 @@ def test_mixed_batch_matches_hf_reference_and_alone(embedded_llm, embedded_d2, h
         assert llm.generate({"prompt_token_ids": hf[i][0]}, _greedy(MAX_TOKENS[i]))[0].token_ids == outs[i].token_ids
 
 
-def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_llm, embedded_d2, hf):
+def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, embedded_llm, hf):
     """Arrivals keyed to the step index (deterministic); EOS finishes and one abort; tokens must not depend on depth."""
     def run(llm):
         rng = np.random.default_rng(7)
@@ -75,7 +68,7 @@ def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_llm, em
             llm._outputs.pop(s.request_id, None)
         return [(s.output_ids, s.finish_reason) for s in seqs]
 
-    a, b = run(embedded_llm), run(embedded_d2)
+    a, b = run(embedded_d1), run(embedded_llm)
     assert a == b
     assert {"length", "abort"} <= {r for _, r in a}
 
@@ -116,8 +109,8 @@ def test_no_compile_after_warmup_under_any_request_mix(embedded_llm, hf):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_steady_state_loop_makes_no_implicit_host_to_device_transfer(embedded_llm, embedded_d2, hf, depth):
-    llm = embedded_llm if depth == 1 else embedded_d2
+def test_steady_state_loop_makes_no_implicit_host_to_device_transfer(embedded_d1, embedded_llm, hf, depth):
+    llm = embedded_d1 if depth == 1 else embedded_llm
     with jax.transfer_guard_host_to_device("disallow"):
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf[:3]], _greedy(6))
     assert [o.token_ids for o in outs] == [ref[:6] for _, ref in hf[:3]]
@@ -153,10 +146,10 @@ def test_logprobs_are_the_models_log_softmax(embedded_llm, hf):
             assert abs(v - lsm[pos, t]) < 1e-4
 
 
-def test_zombie_rides_along_and_appends_nothing(embedded_d2, hf):
+def test_zombie_rides_along_and_appends_nothing(embedded_llm, hf):
     """At depth 2 a sequence stopping at step t is already in t+1's batch: finalized at t's commit, it must append
     nothing at t+1's commit and give its pages back only afterwards."""
-    llm = embedded_d2
+    llm = embedded_llm
     prompt, ref = hf[0]
     stop_at = ref[2]  # the third greedy token
     [seq] = llm._make_sequences([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
@@ -164,8 +157,8 @@ def test_zombie_rides_along_and_appends_nothing(embedded_d2, hf):
     refs_at_launch = []
     launch = llm.engine.runner.launch
 
-    def spy(plan, record=None, **kwargs):  # refs right after a launch, before the commit of the step before it
-        slot = launch(plan, record, **kwargs)
+    def spy(step, **kwargs):  # refs right after a launch, before the commit of the step before it
+        slot = launch(step, **kwargs)
         refs_at_launch.append(seq.inflight_refs)
         return slot
 
@@ -229,15 +222,15 @@ def test_static_context_attention_and_unrolled_layers_match_hf(family):
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
 
 
-def test_telemetry_shows_launch_of_next_step_before_commit_of_this_one(embedded_llm, embedded_d2, hf):
-    for llm, overlapped in ((embedded_d2, True), (embedded_llm, False)):
-        llm.engine.telemetry.clear()
+def test_telemetry_shows_launch_of_next_step_before_commit_of_this_one(embedded_d1, embedded_llm, hf):
+    for llm, overlapped in ((embedded_llm, True), (embedded_d1, False)):
+        llm.telemetry.clear()
         llm.generate([{"prompt_token_ids": p} for p, _ in hf[:2]], _greedy(8))
-        recs = sorted(llm.engine.telemetry.records, key=lambda r: r.step_id)
+        recs = sorted(llm.telemetry.records, key=lambda r: r.step_id)
         assert len(recs) >= 8
         ahead = [b.t_launch < a.t_commit for a, b in zip(recs, recs[1:], strict=False)]
         assert all(ahead) if overlapped else not any(ahead)
-        timeline = llm.engine.telemetry.timeline()
+        timeline = llm.telemetry.timeline()
         assert {"t_plan", "t_launch", "t_commit", "t_ready", "t_committed", "kind"} <= set(timeline[0])
 
 
@@ -277,9 +270,9 @@ def test_a_researchers_own_model_plugs_in(hf):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_chunked_prefill_of_a_long_prompt_matches_the_reference(embedded_llm, embedded_d2, hf, depth):
+def test_chunked_prefill_of_a_long_prompt_matches_the_reference(embedded_d1, embedded_llm, hf, depth):
     """A 150-token prompt is prefilled in 64-token chunks that attend to the pages of the chunks before them."""
-    llm = embedded_llm if depth == 1 else embedded_d2
+    llm = embedded_d1 if depth == 1 else embedded_llm
     long_prompt = (hf[0][0] + hf[1][0] + hf[2][0] + hf[0][0] + hf[4][0])[:150]
     prompts = [long_prompt, hf[3][0]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))

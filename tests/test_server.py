@@ -359,17 +359,14 @@ class _FakeEngine:
     """Stands in for AsyncLLM: one token, then the request fails as a rejecting grammar matcher makes it fail."""
 
     def __init__(self):
-        from jphoton.engine.engine import Output
-        from jphoton.sequence import Delta
-
-        self._out, self._delta = Output, Delta
         self.aborted = []
 
     def submit(self, prompt, params):
-        seq = type("Seq", (), {"prompt_ids": [1, 2, 3], "output_ids": [7], "error": "the grammar rejected token 9"})()
+        from jphoton.sequence import Delta, RequestOutput
+
         q = asyncio.Queue()
-        q.put_nowait(self._out(seq, self._delta([7], "x")))
-        q.put_nowait(self._out(seq, self._delta([], "", "error")))
+        q.put_nowait(RequestOutput(0, Delta([7], "x"), None, 3, 1))
+        q.put_nowait(RequestOutput(0, Delta([], "", "error"), None, 3, 1, "the grammar rejected token 9"))
         return 0, q
 
     def abort(self, request_id):
@@ -385,7 +382,7 @@ def test_a_mid_flight_failure_is_aborted_after_the_tokens_so_far():
     server.servicer.attach = lambda llm: setattr(server.servicer, "engine", fake) or setattr(
         server.servicer, "llm", llm)
     llm = type("FakeLLM", (), {"model": type("M", (), {"name": "fake"})(), "stats": lambda self: {"num_compiles": 0},
-                               "engine": type("E", (), {"sequences": {}})()})()
+                               "has_unfinished_requests": lambda self: False})()
     handle = ServerThread(server).start(llm)
     handle.wait_ready(30)
     try:

@@ -1,12 +1,13 @@
-"""The runner: the only owner of device state (params, KV pool, decode slots) and of the compiled steps.
+"""The runner: the only owner of device state (params, KV pool, decode slots) and of the compiled steps. Device work
+only: pack a planned step into its one input, dispatch it, sample, start the host copy, fetch; warm-up. The pipeline
+(engine/pipeline.py) decides when.
 
 Two `DecodeSlot`s alternate (ping-pong): each holds one step's output buffers, donated to the jitted step and handed
-back, and the host landing of its async device->host copy. A slot is reused only after the commit that read it.
+back. A slot is reused only after the commit that read it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.constraints import mask_words
-from jphoton.engine.dispatch import Dispatcher
+from jphoton.engine.config import EngineConfig
 from jphoton.engine.scheduler import SchedulerConfig, StepPlan
+from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
     StepLayout,
@@ -29,6 +31,7 @@ from jphoton.engine.step import (
     resample,
     sampler_input_size,
 )
+from jphoton.engine.telemetry import StepRecord
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
@@ -42,50 +45,6 @@ def _input_transfer():
     return jax.transfer_guard_host_to_device("allow")
 
 
-@dataclasses.dataclass
-class DecodeSlot:
-    """One step's device outputs (donated each use, so no per-step allocation) and what the host got back."""
-
-    tokens: jax.Array  # [max_rows] int32
-    logits: jax.Array  # [max_rows, V] float32: every row's logits, for the second sampler
-    logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
-    top_ids: jax.Array  # [max_rows, max(K, 1)] int32
-    plan: StepPlan | None = None  # the step occupying the slot, until its commit
-    resampled: tuple[bool, int, bool] | None = None  # which second sampler ran, if any
-    awaiting_mask: bool = False  # a grammar row's token is sampled only at finalize, after the previous commit
-    job: object = None  # the dispatcher job that last wrote the arrays above (None: done inline)
-
-
-class _Carried:
-    """`finalize` returns this in place of the carried input (the device array exists only once the sampler's job has
-    run); `launch` then reads the runner's carrier buffer when its own job runs."""
-
-    def __repr__(self) -> str:
-        return "CARRIED"
-
-
-CARRIED = _Carried()
-
-
-@dataclasses.dataclass
-class SamplerInput:
-    """The second sampler's one host->device transfer, as views into one buffer: grammar bitmasks (all ones; llguidance
-    fills the grammar rows in place), per-row sampler fields, and a carrier for the next step's packed input."""
-
-    variant: tuple[bool, int, bool]  # (filtered, logprobs, masked): which compiled sampler
-    buffer: np.ndarray  # [sampler_input_size] int32
-    mask: np.ndarray | None  # [max_rows, W] view, when masked
-    fields: np.ndarray  # [max_rows, SAMPLER_ROW_FIELDS] view
-    carrier: np.ndarray  # [packed_size] view when masked, else empty
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray
-    logprobs: np.ndarray | None
-    top_ids: np.ndarray | None
-
-
 def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
     decode = [0, *cfg.decode_buckets]
     prefill = [(0, 0), *cfg.prefill_buckets]
@@ -97,39 +56,39 @@ def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
 
 
 class Runner:
-    def __init__(self, model, *, sched: SchedulerConfig, num_pages: int, page_size: int, max_model_len: int,
-                 max_logprobs: int, pages_per_block: int = 8, kv_dtype=None, dispatch_thread: bool = False):
+    def __init__(self, model, config: EngineConfig, num_pages: int, pages_per_block: int = 8):
         cfg = model.config
         self.model = model
-        self.sched = sched
+        self.sched = config.scheduler_config()
+        page_size, max_model_len = config.page_size, config.max_model_len
         ppb = min(pages_per_block, -(-max_model_len // page_size))
         pages_per_seq = -(-max_model_len // page_size)
         pages_per_seq = -(-pages_per_seq // ppb) * ppb
-        max_rows = max(sched.decode_buckets) + max(r for r, _ in sched.prefill_buckets)
+        max_rows = max(self.sched.decode_buckets) + max(r for r, _ in self.sched.prefill_buckets)
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
                                  trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
-                                 pallas_decode=sched.pallas_decode)
+                                 pallas_decode=self.sched.pallas_decode)
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
-        self.packed_size = max(StepLayout(s, self.static).size for s in all_shapes(sched))
-        self.max_logprobs = max_logprobs
+        self.packed_size = max(StepLayout(s, self.static).size for s in all_shapes(self.sched))
+        self.max_logprobs = config.max_logprobs
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
         self.device = jax.devices()[0]
         self.params = jax.device_put(model.params, self.device)
-        dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
+        dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
         slots = (num_pages + 1) * page_size  # +1: the trash page that padding writes to
         shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv = (self._zeros(shape, dtype), self._zeros(shape, dtype))
         self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-        K = max_logprobs
+        K = self.max_logprobs
         self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32),
                                  self._zeros((max_rows, cfg.vocab_size), jnp.float32),
                                  self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
         self._next_slot = 0
         self.input_transfers = 0  # host->device copies of step and sampler inputs (telemetry; tests check the count)
-        self._prev_tokens = self.slots[1].tokens
+        self._prev_tokens = self.slots[1].tokens  # the last dispatched step's tokens: the next step's carry-over
         self._layouts: dict[StepShape, StepLayout] = {}
         # Shardings pinned on both jits: a step input that arrives as a host array (usual) and one that arrives as a
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
@@ -142,9 +101,6 @@ class Runner:
                                  in_shardings=on_device, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
-        # Device calls (and the device state they replace: kv, slot arrays, carrier, _prev_tokens) belong to the
-        # dispatcher's jobs; the engine thread keeps to host bookkeeping and waits only in fetch (engine/dispatch.py).
-        self.dispatcher = Dispatcher(dispatch_thread)
         self._last_launched: DecodeSlot | None = None
 
     def _zeros(self, shape, dtype) -> jax.Array:
@@ -158,7 +114,7 @@ class Runner:
 
     # ---- compile ---------------------------------------------------------------------------------------------------
     def warmup(self, shapes: Iterable[StepShape] | None = None, progress: bool = False) -> float:
-        """Compile (and run once, all rows padding) every bucket shape, so serving never compiles."""
+        """Compile (and run once, all rows padding) every bucket shape and second sampler, so serving never compiles."""
         shapes = list(shapes if shapes is not None else all_shapes(self.sched))
         t0 = time.perf_counter()
         it = shapes
@@ -166,20 +122,22 @@ class Runner:
             from tqdm import tqdm
 
             it = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        self.dispatcher.drain()
         for shape in it:  # slots alternate as in serving: a step never donates the buffer it reads as prev_tokens
-            inputs = self.layout(shape).empty(self.static.trash_page)["_buffer"]
-            self._dispatch_into(self.slots[self._next_slot], shape, inputs)
-            self._next_slot ^= 1
-        for variant in self.resample_variants():
-            self._resample_into(self.slots[0], self._sampler_input(variant))
+            self._dispatch_into(self._take_slot(), shape, self.layout(shape).empty(self.static.trash_page)["_buffer"])
+        for variant in self.sampler_variants():
+            self._resample_into(self.slots[0], variant, self._sampler_input(variant).buffer)
         jax.block_until_ready(self.kv)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
         return elapsed
 
+    def sampler_variants(self) -> list[SamplerVariant]:
+        """Every second sampler a step may need (compiled at warm-up)."""
+        lps = (0, self.max_logprobs) if self.max_logprobs else (0,)
+        return [SamplerVariant(f, k, m) for m in (False, True) for f in (False, True) for k in lps if f or k or m]
+
     # ---- one step --------------------------------------------------------------------------------------------------
-    def pack(self, plan: StepPlan) -> tuple[StepShape, np.ndarray]:
+    def pack(self, plan: StepPlan) -> StepInput:
         pr, pt = plan.prefill_bucket
         shape = StepShape(plan.decode_bucket, pr, pt, plan.context_bucket)
         v = self.layout(shape).empty(self.static.trash_page)
@@ -201,16 +159,11 @@ class Runner:
         v["temperature"].view(np.float32)[out] = [row.seq.params.temperature for row in rows]
         v["key"][out] = seed_key_data(np.array([row.seq.seed for row in rows], np.uint64)).view(np.int32)
         v["sample_index"][out] = [row.sample_index for row in rows]
-        return shape, v["_buffer"]
+        return StepInput(shape, v["_buffer"])
 
-    def resample_variants(self) -> list[tuple[bool, int, bool]]:
-        """(filtered, logprobs, masked) second samplers, each compiled at warm-up."""
-        lps = (0, self.max_logprobs) if self.max_logprobs else (0,)
-        return [(f, k, m) for m in (False, True) for f in (False, True) for k in lps if f or k or m]
-
-    def _sampler_input(self, variant: tuple[bool, int, bool]) -> SamplerInput:
-        R, W = self.static.max_rows, self.mask_words if variant[2] else 0
-        carrier = self.packed_size if variant[2] else 0
+    def _sampler_input(self, variant: SamplerVariant) -> SamplerInput:
+        R, W = self.static.max_rows, self.mask_words if variant.masked else 0
+        carrier = self.packed_size if variant.masked else 0
         buf = np.empty(sampler_input_size(R, W, carrier), np.int32)
         mask = buf[:R * W].reshape(R, W) if W else None
         if mask is not None:
@@ -222,13 +175,13 @@ class Runner:
 
     def sampler_input(self, plan: StepPlan, masked: bool = False) -> SamplerInput | None:
         """The second sampler this step needs (filters? logprobs? grammar masks?) with its per-row fields filled and
-        the mask words all ones, or None (the usual case)."""
+        the mask words all ones, or None (the usual case: the fused sampler in the step is enough)."""
         filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
                        for r in plan.rows)
         want_lp = any(r.seq.params.logprobs for r in plan.rows)
         if not filtered and not want_lp and not masked:
             return None
-        inp = self._sampler_input((filtered, self.max_logprobs if want_lp else 0, masked))
+        inp = self._sampler_input(SamplerVariant(filtered, self.max_logprobs if want_lp else 0, masked))
         rows = inp.fields
         out = [row.out_row for row in plan.rows]
         params = [row.seq.params for row in plan.rows]
@@ -240,75 +193,75 @@ class Runner:
         rows[out, 6] = [p.logprobs or 0 for p in params]
         return inp
 
-    def launch(self, plan: StepPlan, record=None, defer_sampling: bool = False,
-               packed: tuple[StepShape, np.ndarray | _Carried] | None = None) -> DecodeSlot:
-        """Dispatch the step into the next free slot and start copying its results to the host. Never waits.
+    def launch(self, step: PlannedStep, defer_sampling: bool = False) -> DecodeSlot:
+        """Dispatch the step into the next free slot and start copying its tokens to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
-        forward (and the logits) run now all the same. packed: `pack(plan)` if done ahead, or what `finalize`
-        returned for it (the input rode in the sampler's transfer)."""
-        shape, packed = packed or self.pack(plan)
-        if record is not None:
-            record.t_packed = time.perf_counter()
-        slot = self.slots[self._next_slot]
-        assert slot.plan is None, "slot reused before the commit that reads it"
-        self._next_slot ^= 1
+        forward (and the logits) run now all the same."""
+        slot = self._take_slot()
+        assert slot.step is None, "slot reused before the commit that reads it"
         self._last_launched = slot
-        second = None if defer_sampling else self.sampler_input(plan)
-        slot.plan, slot.awaiting_mask = plan, defer_sampling
-        slot.resampled = second.variant if second is not None else None
-        self.input_transfers += (packed is not CARRIED) + (second is not None)
-
-        def job():
-            self._dispatch_into(slot, shape, self.carrier if packed is CARRIED else packed, record)
-            if second is not None:
-                self._resample_into(slot, second)
-            if not defer_sampling:
-                self._copy_to_host(slot)
-
-        slot.job = self.dispatcher.submit(job)
+        second = None if defer_sampling else self.sampler_input(step.plan)
+        slot.step, slot.awaiting_mask = step, defer_sampling
+        slot.sampler = second.variant if second is not None else None
+        inp = step.input
+        self.input_transfers += (inp.packed is not None) + (second is not None)
+        self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record)
+        if second is not None:
+            self._resample_into(slot, second.variant, second.buffer)
+        if not defer_sampling:
+            self._copy_to_host(slot)
         return slot
 
-    def finalize(self, slot: DecodeSlot, inp: SamplerInput,
-                 then: tuple[StepShape, np.ndarray] | None = None) -> tuple[StepShape, _Carried] | None:
-        """Sample a deferred step with its grammar masks (`inp` from `sampler_input(slot.plan, masked=True)`, mask
-        rows filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads
-        its tokens. then: the next step's packed input, if already planned: it rides in this transfer, and the
-        returned (shape, CARRIED) is what `launch` takes for it, so that the step costs no transfer of its own."""
+    def finalize(self, slot: DecodeSlot, inp: SamplerInput, then: StepInput | None = None) -> None:
+        """Sample a deferred step with its grammar masks (`inp` from `sampler_input(plan, masked=True)`, mask rows
+        filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads its
+        tokens. then: the next step's input, if already planned: it rides in this transfer to the runner's carrier,
+        and `then.packed` becomes None, so that the step costs no transfer of its own."""
         assert slot.awaiting_mask and slot is self._last_launched, "finalize out of order"
-        assert inp.variant[2], "finalize needs a masked sampler input"
-        if then is not None and then[1].size != inp.carrier.size:  # a shape outside the buckets (benchmarks only)
-            then = None
-        if then is not None:
-            inp.carrier[:] = then[1]
-        slot.awaiting_mask, slot.resampled = False, inp.variant
+        assert inp.variant.masked, "finalize needs a masked sampler input"
+        if then is not None and then.packed is not None and then.packed.size == inp.carrier.size:
+            inp.carrier[:] = then.packed
+            then.packed = None
+        slot.awaiting_mask, slot.sampler = False, inp.variant
         self.input_transfers += 1
+        self._resample_into(slot, inp.variant, inp.buffer)
+        self._copy_to_host(slot)
 
-        def job():
-            self._resample_into(slot, inp)
-            self._copy_to_host(slot)
+    def fetch(self, slot: DecodeSlot) -> StepResult:
+        """Wait for the slot's host copy (an explicit transfer) and free the slot."""
+        assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
+        want_lp = bool(slot.sampler and slot.sampler.logprobs)
+        tokens = jax.device_get(slot.tokens)
+        lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
+        slot.step = None
+        return StepResult(np.asarray(tokens).tolist(), lp, ids)
 
-        slot.job = self.dispatcher.submit(job)
-        return (then[0], CARRIED) if then is not None else None
+    # ---- device calls ----------------------------------------------------------------------------------------------
+    def _take_slot(self) -> DecodeSlot:
+        slot = self.slots[self._next_slot]
+        self._next_slot ^= 1
+        return slot
 
     @staticmethod
     def _copy_to_host(slot: DecodeSlot) -> None:
         # An intended, explicit copy: allowed even where a transfer guard polices the loop for accidental ones.
         with jax.transfer_guard_device_to_host("allow"):
             slot.tokens.copy_to_host_async()
-            if slot.resampled and slot.resampled[1]:
+            if slot.sampler and slot.sampler.logprobs:
                 slot.logprobs.copy_to_host_async()
                 slot.top_ids.copy_to_host_async()
 
-    def _resample_into(self, slot: DecodeSlot, inp: SamplerInput) -> None:
+    def _resample_into(self, slot: DecodeSlot, variant: SamplerVariant, buffer: np.ndarray | jax.Array) -> None:
         # One more host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
         feeds_next = self._prev_tokens is slot.tokens
         with _input_transfer():
             slot.tokens, slot.logprobs, slot.top_ids, self.carrier = self._resample(
-                *inp.variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, inp.buffer)
+                *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, buffer)
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
             self._prev_tokens = slot.tokens
 
-    def _dispatch_into(self, slot: DecodeSlot, shape: StepShape, packed: np.ndarray | jax.Array, record=None) -> None:
+    def _dispatch_into(self, slot: DecodeSlot, shape: StepShape, packed: np.ndarray | jax.Array,
+                       record: StepRecord | None = None) -> None:
         """Run one step into `slot`: one host->device copy (none if packed is already on the device), outputs and KV
         donated."""
         if record is not None:
@@ -320,15 +273,44 @@ class Runner:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
 
-    def fetch(self, slot: DecodeSlot) -> StepResult:
-        """Wait for the slot's host copy (explicit transfer) and free the slot."""
-        assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
-        self.dispatcher.wait(slot.job)
-        want_lp = bool(slot.resampled and slot.resampled[1])
-        tokens = jax.device_get(slot.tokens)
-        lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
-        slot.plan = None
-        return StepResult(np.asarray(tokens), lp, ids)
+    # ---- measurement -----------------------------------------------------------------------------------------------
+    def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False) -> float:
+        """Seconds per decode-only step of `rows` rows dispatched back to back, with no host work between (what the
+        pipelined loop would reach if the host were free). Each row attends over `context` tokens on pages of its own,
+        as in serving (0: padding rows on the trash page, attention nearly free); masked_sampler: the grammar sampler
+        runs after each step too. Overwrites KV pages: only for an idle engine."""
+        bucket = next((d for d in self.sched.decode_buckets if d >= rows), None)
+        if bucket is None:
+            raise ValueError(f"{rows} rows exceed the largest decode bucket ({self.sched.decode_buckets[-1]})")
+        ps, pages = self.static.page_size, -(-context // self.static.page_size)
+        if pages > self.static.pages_per_seq:
+            raise ValueError(f"context {context} exceeds max_model_len ({self.static.pages_per_seq * ps} tokens)")
+        ctx = 0
+        if self.sched.context_buckets and not self.sched.pallas_decode:  # static attention: a context bucket
+            ctx = next(c for c in self.sched.context_buckets if c >= max(pages, 1))
+        shape = StepShape(bucket, 0, 0, ctx)
+        views = self.layout(shape).empty(self.static.trash_page)
+        if context:
+            real = self.static.trash_page  # pages 0 .. trash_page - 1 are the pool's own; tables cycle through them
+            for i in range(bucket):
+                views["d_table"][i, :pages] = (i * pages + np.arange(pages)) % real
+            views["d_pos"][:] = context - 1
+        packed = jax.device_put(views["_buffer"], self.device)
+        variant = SamplerVariant(False, 0, True)
+        sampler = jax.device_put(self._sampler_input(variant).buffer, self.device) if masked_sampler else None
+
+        def run(n):
+            for _ in range(n):
+                slot = self._take_slot()
+                self._dispatch_into(slot, shape, packed)
+                if sampler is not None:
+                    self._resample_into(slot, variant, sampler)
+            jax.block_until_ready(self.kv)
+
+        run(3)  # compile (if needed) and warm
+        t0 = time.perf_counter()
+        run(steps)
+        return (time.perf_counter() - t0) / steps
 
 
 def _fill_ragged(out: np.ndarray, rows: list[list[int]]) -> None:

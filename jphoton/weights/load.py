@@ -53,10 +53,11 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: bool | None = None,
                progress: bool = False) -> LoadedModel:
     """Load a model. `cache` (default: on for GGUF) keeps an orbax copy of the converted params, keyed by the source
-    file's path, size and mtime and the dtype, so a second load skips dequantization."""
+    file's path, size and mtime and the dtype, so a second load skips dequantization. `None` or "embedded": the
+    embedded SmolLM2-135M-Instruct."""
     dt = resolve_dtype(dtype)
     t0 = time.perf_counter()
-    if source is None:
+    if source is None or source == "embedded":
         path = embedded_model_path()
         name = f"embedded:{path.name}"
     elif isinstance(source, str) and source.startswith("random:"):

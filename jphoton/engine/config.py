@@ -1,0 +1,162 @@
+"""EngineConfig: every engine knob in one frozen dataclass. Defaults are the fast, safe path; "auto" and None are resolved
+per device and model by `resolve`. Plain Python (no jax): the backend is passed in."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from jphoton.engine.scheduler import SchedulerConfig
+
+DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table
+ATTENTION = ("auto", "pallas", "static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The step shapes compiled at start-up (None: derived from the limits). Every step is padded to one of them."""
+
+    decode: tuple[int, ...] | None = None  # rows of a decode-only step; None: 1, 2, 4, ... max_num_seqs
+    prefill: tuple[tuple[int, int], ...] | None = None  # (rows, tokens per row) of a step's prefill part
+    context: tuple[int, ...] | None = None  # pages a prefill row attends over (static/pallas attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """How the model's layers run. "auto" picks the fastest measured path for the device (README, RESULTS.md)."""
+
+    attention: str = "auto"  # "pallas" (GPU), "dynamic" (CPU), "static"
+    matmul: Any = "auto"  # "fused" (GPU), "xla-plain" (CPU), "xla", or a hook object of models/matmul.py
+    moe_backend: str = "auto"  # MoE models: "warp_decode" up to 192 tokens a step, else "expert_centric"
+    unroll_layers: bool | None = None  # None: unrolled on GPU (faster steps), scanned on CPU (faster compiles)
+
+
+# LLM(...) keywords that live in a group: keyword -> (group, field).
+_GROUPED = {"decode_buckets": ("buckets", "decode"), "prefill_buckets": ("buckets", "prefill"),
+            "context_buckets": ("buckets", "context"), **{f.name: ("kernels", f.name) for f in
+                                                           dataclasses.fields(Kernels)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    # limits
+    max_num_seqs: int = 64  # requests decoding at once
+    max_num_batched_tokens: int = 512  # tokens per step: decode rows first, then prefill chunks
+    max_model_len: int | None = None  # None: the model's limit, at most 8192
+    max_logprobs: int = 20  # the largest SamplingParams.logprobs accepted
+    # memory
+    page_size: int = 16  # tokens per KV page
+    num_kv_pages: int | None = None  # None: max_num_seqs full contexts, capped by free device memory (CPU: 256 MiB)
+    kv_memory_fraction: float = 0.85  # of free device memory the KV pool may take
+    dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
+    # the loop
+    pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
+    seed: int = 0  # seeds of requests that give none
+    warmup: bool = True  # compile every step shape at start-up, so serving never compiles
+    progress: bool = True  # progress bars on loading and compiling
+    freeze_gc: bool = True  # gc.freeze() start-up objects: a full GC pass would stall a tick (RESULTS.md)
+    cache_converted: bool | None = None  # cache GGUF -> orbax conversions on disk (None: GGUF only)
+    buckets: Buckets = Buckets()
+    kernels: Kernels = Kernels()
+
+    def __post_init__(self):
+        def positive_int(name, value, allow_none=False):
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("max_model_len", self.max_model_len, allow_none=True)
+        positive_int("page_size", self.page_size)
+        positive_int("num_kv_pages", self.num_kv_pages, allow_none=True)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {self.pipeline_depth!r}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
+        if self.kernels.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.kernels.attention!r}")
+        # The bucket tuples are checked where they are complete (SchedulerConfig, after resolve).
+
+    # ---- construction ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, base: EngineConfig | None = None, **kwargs) -> EngineConfig:
+        """`base` (default: the defaults) with LLM(...)-style flat keywords applied (`decode_buckets=`, `attention=`,
+        ...: a group's fields by their keyword). An unknown keyword is a TypeError naming the nearest known one."""
+        base = base or cls()
+        top = {f.name for f in dataclasses.fields(cls)} - {"buckets", "kernels"}
+        flat: dict[str, Any] = {}
+        groups: dict[str, dict[str, Any]] = {"buckets": {}, "kernels": {}}
+        for key, value in kwargs.items():
+            if key in top:
+                flat[key] = value
+            elif key in _GROUPED:
+                group, field = _GROUPED[key]
+                groups[group][field] = value
+            else:
+                near = difflib.get_close_matches(key, [*top, *_GROUPED], n=1)
+                raise TypeError(f"unknown engine option {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        return dataclasses.replace(base, **flat, buckets=dataclasses.replace(base.buckets, **groups["buckets"]),
+                                   kernels=dataclasses.replace(base.kernels, **groups["kernels"]))
+
+    @staticmethod
+    def option_names() -> list[str]:
+        """Every keyword `LLM(...)` maps onto this config (the README's option table lists them all)."""
+        return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("buckets", "kernels")] + list(_GROUPED)
+
+    # ---- resolution ------------------------------------------------------------------------------------------------
+    def resolve_kernels(self, backend: str) -> EngineConfig:
+        """The "auto" kernels and the layer loop for `backend` ("cpu", "gpu", ...)."""
+        accelerator = backend != "cpu"
+        k = self.kernels
+        # GPU: decode rows through the Pallas kernel (1.4-3.2x the static gather on the H100), prefill rows over static
+        # context buckets (an XLA data-dependent loop would sync the host every iteration). CPU: the plain-JAX loop
+        # (the kernel would run in interpret mode: correct, slow).
+        attention = k.attention if k.attention != "auto" else ("pallas" if accelerator else "dynamic")
+        unroll = k.unroll_layers if k.unroll_layers is not None else accelerator
+        return dataclasses.replace(self, kernels=dataclasses.replace(k, attention=attention, unroll_layers=unroll))
+
+    def resolve_shapes(self, model_limit: int, min_decode_rows: int = 1) -> EngineConfig:
+        """max_model_len and the bucket sets, for a model whose context holds `model_limit` tokens and whose matmuls
+        want decode steps of at least `min_decode_rows` rows (models/matmul.py). Needs `resolve_kernels` first."""
+        if self.max_model_len is not None and self.max_model_len > model_limit:
+            raise ValueError(f"max_model_len must be in [1, {model_limit}] for this model, got {self.max_model_len!r}")
+        max_len = self.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+        b = self.buckets
+        decode = tuple(b.decode or _geometric(1, 2, self.max_num_seqs))
+        decode = tuple(sorted({max(d, min_decode_rows) for d in decode}))  # one-row steps would pad every matmul
+        prefill = tuple(b.prefill or _default_prefill(self.max_num_batched_tokens))
+        pages_per_seq = -(-max_len // self.page_size)
+        if self.kernels.attention in ("static", "pallas"):  # "pallas": the context buckets serve prefill rows only
+            context = tuple(b.context or _geometric(32, 4, pages_per_seq))  # 512 tokens of 16 up, at most 4x waste
+            if context[-1] < pages_per_seq:
+                raise ValueError(f"the largest context bucket ({context[-1]} pages) must cover max_model_len "
+                                 f"({pages_per_seq} pages of {self.page_size})")
+        else:
+            context = ()
+        return dataclasses.replace(self, max_model_len=max_len, buckets=Buckets(decode, prefill, context))
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's view (needs `resolve_shapes` first)."""
+        b = self.buckets
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               decode_buckets=b.decode, prefill_buckets=b.prefill, context_buckets=b.context,
+                               pallas_decode=self.kernels.attention == "pallas")
+
+
+def _geometric(start: int, factor: int, last: int) -> tuple[int, ...]:
+    """start, start*factor, ... below `last`, then `last` itself."""
+    out, b = [], start
+    while b < last:
+        out.append(b)
+        b *= factor
+    return (*out, last)
+
+
+def _default_prefill(budget: int) -> tuple[tuple[int, int], ...]:
+    shapes = [(1, 32), (1, 128), (4, 128), (1, 512)]
+    return tuple((r, t) for r, t in shapes if r * t <= budget) or ((1, budget),)

@@ -1,0 +1,234 @@
+"""The engine tick, top to bottom: launch t+1 -> commit t -> finalize t+1's sampling.
+
+One tick at pipeline depth 2 (the default), step t already on the device:
+
+    host:   plan+pack t+1 | launch t+1 | wait for t's tokens, commit t | [grammar rows in t+1: fill masks, sample t+1]
+    device: ....... step t ........... | step t+1 (its carried-over tokens read from t's output on the device) ...
+
+- Launch: the scheduler plans t+1 from what the host knows before t is committed; a decode row whose input token is
+  still on the device names the row of t's output that holds it (`carry_from`). The runner packs the step into one
+  host->device input and dispatches it into the free `DecodeSlot` (two slots, ping-pong; outputs donated).
+- Commit: the host copy of t's tokens (started at t's launch) is read; tokens are appended, stops checked, outputs
+  emitted. At depth 1 the step just launched is committed in the same tick (the blocking loop).
+- Zombies: a sequence that finishes at t is already in t+1. It is finalized at once (its result emitted); its pages go
+  back only when `inflight_refs` (launched steps that reference it) reaches 0.
+- Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
+  not. A step with grammar rows is launched forward-only (logits kept on the device); after commit t the matchers
+  advance, the masks are filled and the step is sampled ("finalized"). The step after it is planned first, so that its
+  input rides in the masked sampler's transfer (one host->device copy per step). Steps whose rows are all free sample
+  inside the forward, so they run a step ahead.
+
+Invariants: a slot is reused only after the commit that read it; only the latest launched step can be finalized (the
+next launch reads its tokens); a sequence's pages are released only when it is finalized and no launched step
+references it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import logging
+
+from jphoton.constraints import GrammarCompiler
+from jphoton.engine import compiles
+from jphoton.engine.config import EngineConfig
+from jphoton.engine.pages import PagePool
+from jphoton.engine.runner import Runner
+from jphoton.engine.scheduler import Scheduler, StepPlan
+from jphoton.engine.slots import DecodeSlot, PlannedStep, StepResult
+from jphoton.engine.telemetry import StepRecord, Telemetry
+from jphoton.sequence import RequestOutput, Sequence
+
+log = logging.getLogger("jphoton.engine")
+
+
+@dataclasses.dataclass
+class GrammarVerdict:
+    """A grammar row's matcher after its committed token."""
+
+    accepted: bool
+    done: bool  # the grammar is complete: the request stops here
+    error: str
+
+
+ACCEPTED = GrammarVerdict(True, False, "")
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig, num_pages: int, grammar: GrammarCompiler | None = None):
+        self.config = config
+        self.depth = config.pipeline_depth
+        self.pages = PagePool(num_pages, config.page_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pages)
+        self.runner = Runner(model, config, num_pages)
+        self.grammar = grammar
+        self.inflight: collections.deque[DecodeSlot] = collections.deque()  # launched, not yet committed
+        self.ahead: PlannedStep | None = None  # planned during the last tick's finalize; launched next tick
+        self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
+        self.num_steps = 0
+        self.num_constrained_steps = 0
+        self.telemetry = Telemetry()
+        # LLM(freeze_gc=True) sets this: after a tick in which something compiled (a shape first seen by an engine
+        # built without warm-up), collect and freeze again, so that the compile's long-lived objects are not rescanned
+        # by every later full collection (a 98.7 ms full pass inside a B=32 tick on the H100, docs/lab-log.md).
+        self.refreeze_gc = False
+        self._compiles_seen = compiles.num_compiles()
+
+    # ---- requests --------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        need = self.pages.pages_for(len(seq.prompt_ids) + seq.max_new_tokens)
+        if need > self.pages.num_pages:
+            raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {seq.max_new_tokens} new "
+                             f"tokens) but the whole pool has {self.pages.num_pages}")
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Finalize a request now (result emitted with finish_reason "abort"); its pages come back once no in-flight
+        step references it. Unknown or already finished ids are ignored."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.finalized:
+            return None
+        out = seq.output(seq.finish("abort"))
+        self._maybe_release(seq)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.inflight) or self.ahead is not None or self.scheduler.has_work()
+
+    # ---- the tick --------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One tick: launch the next step if there is one, commit what the pipeline depth says is due, finalize the
+        sampling of a launched step that waits for grammar masks."""
+        # 1. launch t+1
+        step, self.ahead = self.ahead or self._plan(), None
+        if step is not None:
+            self._launch(step)
+        # 2. commit t (depth 2 keeps the step just launched in flight; depth 1 and an idle tick commit everything)
+        outputs: list[RequestOutput] = []
+        keep = self.depth - 1 if step is not None else 0
+        while len(self.inflight) > keep:
+            slot = self.inflight.popleft()
+            if slot.awaiting_mask:  # depth 1: sample right away (every earlier token is committed)
+                self._finalize(slot)
+            outputs += self._commit(slot)
+        # 3. finalize t+1: a launched grammar step is sampled now that t is committed; the step after it is planned
+        # first, so that its input rides in the sampler's transfer
+        if self.inflight and self.inflight[-1].awaiting_mask:
+            self.ahead = self._plan()
+            self._finalize(self.inflight[-1])
+        if self.refreeze_gc and compiles.num_compiles() != self._compiles_seen:
+            self._refreeze_gc()
+        return outputs
+
+    def _plan(self) -> PlannedStep | None:
+        now = self.telemetry.now
+        t_plan = now()
+        plan = self.scheduler.plan()
+        if plan is None:
+            return None
+        kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
+        rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan)
+        rec.constrained_rows = sum(1 for r in plan.rows if r.samples and r.seq.constraint is not None)
+        if rec.constrained_rows and self.num_constrained_steps == 0:
+            log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
+                     "sample later)")
+        self.num_constrained_steps += rec.constrained_rows > 0
+        step = PlannedStep(plan, rec, self.runner.pack(plan))
+        rec.t_planned = rec.t_packed = now()
+        return step
+
+    def _launch(self, step: PlannedStep) -> None:
+        rec = step.record
+        rec.t_launch = self.telemetry.now()
+        self.inflight.append(self.runner.launch(step, defer_sampling=rec.constrained_rows > 0))
+        rec.t_launched = self.telemetry.now()
+        self.num_steps += 1
+
+    def _finalize(self, slot: DecodeSlot) -> None:
+        """Fill the grammar rows' masks (every token before the step is committed, so each matcher is in the state its
+        row needs) and sample the step; a step planned ahead sends its input along in the same transfer."""
+        now = self.telemetry.now
+        plan, rec = slot.step.plan, slot.step.record
+        rec.t_finalize = now()
+        inp = self.runner.sampler_input(plan, masked=True)
+        rows = [(r.seq.constraint, r.out_row) for r in plan.rows
+                if r.samples and r.seq.constraint is not None and not r.seq.finalized
+                and not r.seq.constraint.matcher.is_error()]  # zombies and failed rows keep the all-ones row
+        self.grammar.fill_masks(rows, inp.mask)
+        rec.t_masked = now()
+        self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
+        rec.t_finalized = now()
+
+    # ---- commit ----------------------------------------------------------------------------------------------------
+    def _commit(self, slot: DecodeSlot) -> list[RequestOutput]:
+        now = self.telemetry.now
+        plan, rec = slot.step.plan, slot.step.record
+        rec.t_commit = now()
+        result = self.runner.fetch(slot)
+        rec.t_ready = now()
+        verdicts = self._advance_grammar(plan, result) if rec.constrained_rows else {}
+        rec.t_advanced = now()
+        outputs = []
+        tokens = result.tokens
+        for row in plan.rows:
+            seq = row.seq
+            seq.inflight_refs -= 1
+            if row.samples:
+                seq.pending_samples -= 1
+            if row.samples and seq.finish_reason is None:
+                token = tokens[row.out_row]
+                verdict = verdicts.get(id(row), ACCEPTED)
+                if not verdict.accepted:  # cannot happen with a correct mask; end this request only
+                    log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
+                    outputs.append(seq.output(seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")))
+                    self._maybe_release(seq)
+                    continue
+                delta = seq.append(token, grammar_done=verdict.done)
+                lp = None
+                if seq.params.logprobs and result.logprobs is not None:
+                    k = seq.params.logprobs
+                    lp = [(token, float(result.logprobs[row.out_row, 0]),
+                           {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],
+                                                             result.logprobs[row.out_row, 1:k + 1], strict=True)})]
+                    seq.logprobs.extend(lp)
+                outputs.append(seq.output(delta, lp))
+            if seq.finish_reason is not None and not seq.inflight_refs:  # else release_if_done is a no-op
+                self._maybe_release(seq)
+        rec.t_committed = now()
+        self.telemetry.add(rec)
+        return outputs
+
+    def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, GrammarVerdict]:
+        """Feed every live grammar row its committed token: {id(row): verdict}."""
+        guided = [r for r in plan.rows if r.samples and not r.seq.finalized and r.seq.constraint is not None]
+        if not guided:
+            return {}
+        oks = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in guided])
+        return {id(r): GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
+                for r, ok in zip(guided, oks, strict=True)}
+
+    def _maybe_release(self, seq: Sequence) -> None:
+        if self.scheduler.release_if_done(seq):
+            del self.sequences[seq.request_id]
+
+    def _refreeze_gc(self) -> None:
+        self._compiles_seen = compiles.num_compiles()
+        gc.collect()
+        gc.freeze()
+        log.info("a tick compiled: garbage collector refrozen (%d objects frozen)", gc.get_freeze_count())
+
+    # ---- introspection ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "kv_pages_total": self.pages.num_pages,
+            "kv_pages_free": self.pages.num_free,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "constrained_steps": self.num_constrained_steps,
+            "input_transfers": self.runner.input_transfers,
+            "inflight_steps": len(self.inflight),
+        }

@@ -1,0 +1,74 @@
+"""The typed records that travel through the pipeline: a planned step, its decode slot, its second sampler's input, and
+what its commit reads back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jphoton.engine.scheduler import StepPlan
+from jphoton.engine.step import StepShape
+from jphoton.engine.telemetry import StepRecord
+
+
+class SamplerVariant(NamedTuple):
+    """Which compiled second sampler a step needs (each variant is compiled at warm-up)."""
+
+    filtered: bool  # a sampling row asks for top-k / top-p
+    logprobs: int  # K top logprobs per row (0: none)
+    masked: bool  # grammar rows: token bitmasks applied before sampling
+
+
+@dataclasses.dataclass
+class StepInput:
+    """A planned step's one host->device input."""
+
+    shape: StepShape
+    packed: np.ndarray | None  # None: already on the device, in the runner's carrier (it rode in a grammar sampler's
+    # transfer, so the step costs no transfer of its own)
+
+
+@dataclasses.dataclass
+class PlannedStep:
+    """A step the scheduler planned and the runner packed, waiting for its launch."""
+
+    plan: StepPlan
+    record: StepRecord
+    input: StepInput
+
+
+@dataclasses.dataclass
+class DecodeSlot:
+    """One step's device outputs (donated at each use, so no per-step allocation) while the step is in flight."""
+
+    tokens: jax.Array  # [max_rows] int32
+    logits: jax.Array  # [max_rows, V] float32: every row's logits, for the second sampler
+    logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
+    top_ids: jax.Array  # [max_rows, max(K, 1)] int32
+    step: PlannedStep | None = None  # the step occupying the slot, until its commit
+    sampler: SamplerVariant | None = None  # the second sampler that ran on it, if any
+    awaiting_mask: bool = False  # grammar rows: sampled only at finalize, after the previous step's commit
+
+
+@dataclasses.dataclass
+class SamplerInput:
+    """The second sampler's one host->device transfer, as views into one buffer: grammar bitmasks (all ones; llguidance
+    fills the grammar rows in place), per-row sampler fields, and a carrier for the next step's packed input."""
+
+    variant: SamplerVariant
+    buffer: np.ndarray  # [sampler_input_size] int32
+    mask: np.ndarray | None  # [max_rows, W] view, when masked
+    fields: np.ndarray  # [max_rows, SAMPLER_ROW_FIELDS] view
+    carrier: np.ndarray  # [packed_size] view when masked, else empty
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What the commit of a step reads on the host."""
+
+    tokens: list[int]  # one per output row (Python ints: indexing a numpy array per row cost ~0.2 us a row)
+    logprobs: np.ndarray | None  # [max_rows, K + 1] when the step's sampler computed logprobs
+    top_ids: np.ndarray | None
