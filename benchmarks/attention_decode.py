@@ -1,7 +1,6 @@
 """Paged decode attention (issue 8): the Pallas kernel vs the plain-JAX static gather path vs the jnp reference.
 
     python benchmarks/attention_decode.py --out /tmp/attention.json        # Llama-3.2-1B attention shape, on the GPU
-    python benchmarks/attention_decode.py --sweep --batch 1 8 --ctx 8192   # + kernel configs (splits, block, stages)
     python benchmarks/attention_decode.py --smoke                          # tiny shapes on the CPU (interpret mode)
 
 Shape: Hq 32, Hkv 8, hd 64, page 16, bf16, a 16-layer KV pool [L, slots, Hkv, hd] indexed by layer (never sliced).
@@ -35,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, read_bandwidth, write_json  # noqa: E402
+from benchmarks.common import QUICK, device_info, read_bandwidth, write_json  # noqa: E402
 from jphoton.engine.attention import paged_attention_static  # noqa: E402
 from pallas_kernels import paged_decode_attention as pda  # noqa: E402
 
@@ -112,18 +111,6 @@ def time_path(fn, q, k_pool, v_pool, tables, ctx_len, layers: int, budget_s: flo
     return (time.perf_counter() - t0) / (reps * layers), first
 
 
-def sweep_configs(smoke: bool) -> list[pda.PagedDecodeConfig]:
-    if smoke:
-        return [pda.PagedDecodeConfig(block_tokens=16, splits=sp) for sp in (1, 2)]
-    out = []
-    for block in (32, 64, 128):
-        for splits in (1, 2, 4, 8, 16, 32, 64):
-            for warps, stages in ((4, 2), (4, 3)):
-                out.append(pda.PagedDecodeConfig(block_tokens=block, splits=splits, num_warps=warps,
-                                                  num_stages=stages))
-    return out
-
-
 def run(args) -> dict:
     s = SMOKE_SHAPE if args.smoke else SHAPE
     batches = args.batch or ((1, 2) if args.smoke else BATCHES)
@@ -177,9 +164,6 @@ def run(args) -> dict:
                 if name in outs and ref is not None:
                     v["max_abs_err"] = float(np.abs(outs[name] - ref).max())
                     v["max_rel_err"] = v["max_abs_err"] / ref_max
-            if args.sweep:
-                row["sweep"] = sweep(s, ctx, q, k_pool, v_pool, tables, ctx_len, layers, budget, args.max_reps,
-                                     call_bytes, ref, args.smoke)
             p = row["paths"]
             if "us" in p.get("pallas", {}) and "us" in p.get("static", {}):
                 row["speedup_vs_static"] = p["static"]["us"] / p["pallas"]["us"]
@@ -189,22 +173,6 @@ def run(args) -> dict:
             gc.collect()
     _print_table(rows, bw)
     return {"info": info, "read_bw_bytes_s": bw, "shape": {k: str(v) for k, v in s.items()}, "rows": rows}
-
-
-def sweep(s, ctx, q, k_pool, v_pool, tables, ctx_len, layers, budget, max_reps, call_bytes, ref, smoke) -> list:
-    out = []
-    for cfg in sweep_configs(smoke):
-        fn = path_fns(s, ctx, cfg)["pallas"]
-        try:
-            sec, got = time_path(fn, q, k_pool, v_pool, tables, ctx_len, layers, budget / 2, max_reps)
-            out.append({"config": str(cfg), "us": sec * 1e6, "gb_s": call_bytes / sec / 1e9,
-                        "max_abs_err": float(np.abs(got - ref).max()) if ref is not None else None})
-        except Exception as e:  # noqa: BLE001
-            out.append({"config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    timed = sorted((r for r in out if "us" in r), key=lambda r: r["us"])
-    for r in timed[:3]:
-        print(f"    sweep best: {r['us']:9.1f}us {r['gb_s']:7.1f} GB/s err {r['max_abs_err']}  {r['config']}", flush=True)
-    return out
 
 
 def _print_row(row: dict) -> None:
@@ -233,7 +201,7 @@ def _print_table(rows: list[dict], bw: float) -> None:
         print(line + (f"{sp:>15.2f}x" if sp else ""))
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
     ap.add_argument("--out", default=None, help="JSON results file")
@@ -241,11 +209,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=None)
     ap.add_argument("--paths", nargs="+", default=["pallas", "static", "reference"],
                     choices=["pallas", "static", "reference"])
-    ap.add_argument("--sweep", action="store_true", help="also time kernel configs (splits, block, warps, stages)")
     ap.add_argument("--time-per-path", type=float, default=0.3, help="seconds of timed calls per path and case")
     ap.add_argument("--max-reps", type=int, default=200)
     ap.add_argument("--max-pool-gib", type=float, default=40.0, help="skip cases whose KV pool is larger")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if QUICK:
+        args.batch, args.ctx, args.time_per_path = args.batch or [1, 32], args.ctx or [512, 8192], 0.1
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jphoton").setLevel(logging.INFO)
     t0 = time.perf_counter()
@@ -254,6 +223,7 @@ def main() -> None:
     print(f"done in {result['wall_s']:.0f}s", flush=True)
     if args.out:
         write_json(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

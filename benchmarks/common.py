@@ -1,8 +1,11 @@
-"""Helpers shared by the benchmark scripts: device facts, read bandwidth, a timed engine run, result files."""
+"""Helpers shared by the benchmark scripts (public jphoton API only): device facts, read bandwidth, a timed engine run,
+a closed loop of requests, result files, and the QUICK switch of benchmarks/gpu_suite.sh."""
 
 from __future__ import annotations
 
+import bisect
 import collections
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -17,11 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+QUICK = os.environ.get("QUICK", "0") not in ("", "0")  # gpu_suite.sh QUICK=1: fewer shapes / tokens / reps
+
 
 def device_info() -> dict:
     d = jax.devices()[0]
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "device": d.device_kind,
-            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version()}
+            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+            "quick": QUICK}
 
 
 def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
@@ -39,129 +45,165 @@ def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
     return bw
 
 
-def decode_step_input(runner, shape, context: int = 0) -> jax.Array:
-    """The packed input of a decode-only step (on the device) whose rows each attend over `context` tokens held on
-    pages of their own, as in serving. `context=0`: every row on the trash page at position 0 (the layout's padding),
-    which makes attention nearly free and, through the static gather, keeps every KV read in L2. Page tables cycle
-    through the pool, so size it (num_kv_pages >= rows x pages) for the reads to be distinct."""
-    ps = runner.static.page_size
-    views = runner.layout(shape).empty(runner.static.trash_page)
-    if context:
-        pages = -(-context // ps)
-        if pages > runner.static.pages_per_seq:
-            raise ValueError(f"context {context} needs {pages} pages; a row holds {runner.static.pages_per_seq}")
-        real = runner.static.trash_page  # pages 0 .. trash_page - 1 are the pool's own
-        for i in range(shape.decode_rows):
-            views["d_table"][i, :pages] = (i * pages + np.arange(pages)) % real
-        views["d_pos"][:] = context - 1
-    return jax.device_put(views["_buffer"], runner.device)
+def weight_bytes(cfg, itemsize: int = 2) -> int:
+    """Bytes of a dense Llama-family model's weights (what one decode step reads), from its ModelConfig."""
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    layer = h * (cfg.num_heads * cfg.head_dim + 2 * kv) + cfg.num_heads * cfg.head_dim * h + 3 * h * cfg.intermediate_size
+    embed = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
+    return itemsize * (cfg.num_layers * (layer + 2 * h) + embed + h)
 
 
-def steps_back_to_back(runner, shape, packed: jax.Array, n: int, then=None) -> float:
-    """Seconds per step of n engine steps of `shape` dispatched back to back on the same packed input (no host work
-    between; then(slot) after each if given, e.g. a second sampler), through the runner's own jitted step and slots."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        slot = runner.slots[runner._next_slot]
-        slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
-                                                           slot.tokens, slot.logits, packed)
-        if then is not None:
-            then(slot)
-        runner._prev_tokens = slot.tokens
-        runner._next_slot ^= 1
-    jax.block_until_ready(runner.kv)
-    return (time.perf_counter() - t0) / n
-
-
-def param_bytes(params) -> int:
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
+def kv_bytes_read(cfg, batch: int, ctx: float, itemsize: int = 2) -> float:
+    return batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 @dataclasses.dataclass
 class RunStats:
     batch: int
-    depth: int
     wall_s: float
     new_tokens: int
     decode_steps: int
-    decode_ms_median: float  # ms per tick in which only decode rows ran
+    decode_ms_median: float  # ms per tick that launched a decode-only step
     decode_ms_mean: float
     ttft_ms_median: float
     compiles_during_run: int
     slowest_ticks: list = dataclasses.field(default_factory=list)  # (tick index, kind, ms) of the 5 longest ticks
     gc_ms: dict = dataclasses.field(default_factory=dict)  # generation -> ms the cyclic GC ran during the run
     gc_ticks: list = dataclasses.field(default_factory=list)  # indices of the ticks a full (gen 2) collection hit
+    token_ids: dict = dataclasses.field(default_factory=dict)  # request id -> generated token ids
 
     @property
     def tok_s(self) -> float:
         return self.new_tokens / self.wall_s
 
 
-def timed_run(llm, prompts: list[list[int]], params, guard: bool = True) -> RunStats:
-    """Submit every prompt at once, tick the engine to the end, and time each tick by the kind of step it launched."""
-    from jphoton.engine import compiles
+def _prompt(p):
+    return {"prompt_token_ids": list(p)} if not isinstance(p, (str, dict)) else p
 
-    seqs = llm._make_sequences(prompts, params)
-    for s in seqs:
-        llm._submit(s)
-    kinds = []
-    plan = llm.engine.scheduler.plan
 
-    def spy():
-        p = plan()
-        kinds.append(None if p is None else ("decode" if not p.prefill else "prefill"))
-        return p
+@contextlib.contextmanager
+def gc_watch(ticks: list):
+    """Yields {generation: ms} of cyclic GC time during the block, and the tick indices (len(ticks) at the time) that
+    a full collection hit (as a second value)."""
+    ms, full, t0 = collections.defaultdict(float), [], [0.0]
 
-    llm.engine.scheduler.plan = spy
-    c0 = compiles.num_compiles()
-    ticks, first_token = [], {}
-    gc_ms, gc_ticks, gc_t0 = collections.defaultdict(float), [], [0.0]
-
-    def on_gc(phase, info):  # the time each collection takes, and which tick a full one lands in
+    def on_gc(phase, info):
         if phase == "start":
-            gc_t0[0] = time.perf_counter()
+            t0[0] = time.perf_counter()
             return
-        gc_ms[info["generation"]] += 1e3 * (time.perf_counter() - gc_t0[0])
+        ms[info["generation"]] += 1e3 * (time.perf_counter() - t0[0])
         if info["generation"] == 2:
-            gc_ticks.append(len(ticks))
+            full.append(len(ticks))
 
     gc.callbacks.append(on_gc)
-    t_start = time.perf_counter()
-    ctx = jax.transfer_guard("disallow") if guard else _null()
     try:
-        with ctx:
-            while llm.engine.has_work():
-                t0 = time.perf_counter()
-                llm._tick()
-                ticks.append(time.perf_counter() - t0)
-                for s in seqs:
-                    if s.output_ids and s.request_id not in first_token:
-                        first_token[s.request_id] = time.perf_counter() - t_start
+        yield ms, full
     finally:
-        del llm.engine.scheduler.plan
         gc.callbacks.remove(on_gc)
+
+
+def timed_run(llm, prompts: list, params, guard: bool = True) -> RunStats:
+    """Queue every prompt at once (token id lists or strings), step the engine to the end, and time each step() call
+    by the kind of engine step it launched (telemetry)."""
+    rids = [llm.add_request(_prompt(p), params) for p in prompts]
+    tokens = {r: [] for r in rids}
+    c0 = llm.stats()["num_compiles"]
+    llm.telemetry.clear()
+    ticks, first_token = [], {}
+    t_start = time.perf_counter()
+    with gc_watch(ticks) as (gc_ms, gc_ticks), (jax.transfer_guard("disallow") if guard else contextlib.nullcontext()):
+        while llm.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = llm.step()
+            t1 = time.perf_counter()
+            ticks.append((t0, t1))
+            for o in outs:
+                if o.delta.token_ids:
+                    first_token.setdefault(o.request_id, t1 - t_start)
+                    tokens[o.request_id] += o.delta.token_ids
     wall = time.perf_counter() - t_start
-    for s in seqs:
-        llm._outputs.pop(s.request_id, None)
-    decode = [t for t, k in zip(ticks, kinds, strict=True) if k == "decode"]
-    decode = decode[2:] or decode  # the first ticks after the last prefill still carry its commit
-    return RunStats(batch=len(prompts), depth=llm.engine.depth, wall_s=wall,
-                    new_tokens=sum(len(s.output_ids) for s in seqs), decode_steps=len(decode),
-                    decode_ms_median=1e3 * statistics.median(decode), decode_ms_mean=1e3 * statistics.fmean(decode),
-                    ttft_ms_median=1e3 * statistics.median(first_token.values()),
-                    compiles_during_run=compiles.num_compiles() - c0,
-                    slowest_ticks=sorted(((i, k, round(1e3 * t, 3)) for i, (t, k) in enumerate(zip(ticks, kinds,
+    kinds = tick_kinds(ticks, llm.telemetry.records)
+    dur = [t1 - t0 for t0, t1 in ticks]
+    decode = [t for t, k in zip(dur, kinds, strict=True) if k == "decode"]
+    decode = decode[2:] or decode or [float("nan")]  # the first ticks after the last prefill still carry its commit
+    return RunStats(batch=len(prompts), wall_s=wall, new_tokens=sum(map(len, tokens.values())),
+                    decode_steps=len(decode), decode_ms_median=1e3 * statistics.median(decode),
+                    decode_ms_mean=1e3 * statistics.fmean(decode),
+                    ttft_ms_median=1e3 * statistics.median(first_token.values()) if first_token else float("nan"),
+                    compiles_during_run=llm.stats()["num_compiles"] - c0,
+                    slowest_ticks=sorted(((i, k, round(1e3 * t, 3)) for i, (t, k) in enumerate(zip(dur, kinds,
                                                                                                   strict=True))),
                                          key=lambda x: -x[2])[:5],
-                    gc_ms={g: round(ms, 3) for g, ms in sorted(gc_ms.items())}, gc_ticks=gc_ticks)
+                    gc_ms={g: round(ms, 3) for g, ms in sorted(gc_ms.items())}, gc_ticks=gc_ticks,
+                    token_ids=tokens)
 
 
-class _null:
-    def __enter__(self):
-        return self
+def tick_kinds(ticks: list[tuple[float, float]], records) -> list[str | None]:
+    """The kind of the engine step each step() call launched (the record whose t_launch falls inside the call)."""
+    recs = sorted(records, key=lambda r: r.t_launch)
+    starts = [r.t_launch for r in recs]
+    out = []
+    for t0, t1 in ticks:
+        i = bisect.bisect_left(starts, t0)
+        out.append(recs[i].kind if i < len(recs) and starts[i] <= t1 else None)
+    return out
 
-    def __exit__(self, *a):
-        return False
+
+def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, prompt_len: int = 64, make_params=None,
+                lengths=(50, 150)) -> dict:
+    """`streams` requests in flight at all times until streams x requests_per_stream are done. make_params(i) gives
+    request i's SamplingParams (default: greedy, ignore_eos, max_tokens uniform in `lengths`). Launch-to-launch
+    periods and host phases come from the engine's telemetry."""
+    from jphoton import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    total = streams * requests_per_stream
+    max_tokens = rng.integers(lengths[0], lengths[1] + 1, size=total).tolist()
+    prompts = [rng.integers(0, llm.config.vocab_size, prompt_len).tolist() for _ in range(total)]
+    if make_params is None:
+        def make_params(i):
+            return SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True)
+    index, out = {}, {}  # request id -> submission index; index -> {"text", "token_ids", "finish_reason"}
+
+    def submit():
+        i = len(index)
+        index[llm.add_request({"prompt_token_ids": prompts[i]}, make_params(i))] = i
+        out[i] = {"text": "", "token_ids": [], "finish_reason": None}
+
+    for _ in range(streams):
+        submit()
+    llm.telemetry.clear()
+    t0 = time.perf_counter()
+    with jax.transfer_guard("disallow"):
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                r = out[index[o.request_id]]
+                r["text"] += o.delta.text or ""
+                r["token_ids"] += o.delta.token_ids
+                if o.finished:
+                    r["finish_reason"] = o.delta.finish_reason
+                    if len(index) < total:
+                        submit()
+    wall = time.perf_counter() - t0
+    recs = sorted(llm.telemetry.records, key=lambda r: r.step_id)
+    decode = [r for r in recs if r.kind == "decode"]
+    # A pipelined launch waits for the commit of the step two back, so a period reflects the device time of the step
+    # before it: count decode periods only where that step was a decode step too.
+    periods = [c.t_launch - b.t_launch for a, b, c in zip(recs, recs[1:], recs[2:], strict=False)
+               if a.kind == b.kind == c.kind == "decode"] or [float("nan")]
+    host = [(r.t_planned - r.t_plan) + (r.t_launched - r.t_launch) + (r.t_committed - r.t_ready) for r in decode]
+    by_kind: dict[str, list[float]] = {}  # launch-to-launch period of every step, by the step's kind
+    for a, b in zip(recs, recs[1:], strict=False):
+        by_kind.setdefault(a.kind, []).append(b.t_launch - a.t_launch)
+    tokens = sum(len(r["token_ids"]) for r in out.values())
+    return dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall, mean_len=tokens / total,
+                lengths=[len(out[i]["token_ids"]) for i in range(total)], outputs=[out[i] for i in range(total)],
+                period_ms=1e3 * statistics.median(periods), host_ms=1e3 * statistics.median(host or [float("nan")]),
+                steps=len(recs), kind_periods={k: (len(v), statistics.median(v)) for k, v in by_kind.items()},
+                # in a pipelined run a long step's device time shows up in the periods after it: only the mean over
+                # every step charges each kind what it really costs
+                mean_period_ms=1e3 * (recs[-1].t_launch - recs[0].t_launch) / max(1, len(recs) - 1),
+                timeline=llm.telemetry.timeline())
 
 
 def write_json(path: str | os.PathLike, payload: dict) -> None:

@@ -11,12 +11,11 @@ mask building on the host, the deferred (masked) sampler, and any GPU idle they 
   idle             period - device: what the GPU waits per step
   mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
   host             median host time per step: plan + launch + commit + finalize
-  inline           the same schema and free runs with the device calls made on the engine thread instead of the
-                   dispatcher thread (engine/dispatch.py), in the same process
 
     python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out DIR
-The tokenizer directory is written from the embedded model on a machine that has it:
+The tokenizer directory (git-ignored) is written from the embedded model when it is missing and the embedded model is
+installed; on a machine without it, write it first and carry it:
     python benchmarks/constrained.py --export-tokenizer benchmarks/assets/smollm2-tokenizer
 """
 
@@ -28,15 +27,14 @@ import pathlib
 import statistics
 import sys
 
-import jax
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, write_json  # noqa: E402
-from benchmarks.pipeline import PROMPT, closed_loop, device_step_ms  # noqa: E402
+from benchmarks.common import QUICK, closed_loop, device_info, write_json  # noqa: E402
 from jphoton import LLM, SamplingParams  # noqa: E402
-from jphoton.engine.dispatch import Dispatcher  # noqa: E402
+
+PROMPT = 64
 
 SCHEMA = {
     "type": "object",
@@ -55,23 +53,9 @@ SCHEMA = {
 MAX_TOKENS = 160
 
 
-def device_ms(llm, rows: int, masked: bool) -> float:
-    """The decode step of `rows` rows (and, if masked, the grammar sampler) back to back, no host work between."""
-    runner = llm.engine.runner
-    inp = runner._sampler_input((False, 0, True))
-    inp.carrier[:] = 0
-    sampler_input = jax.device_put(inp.buffer, runner.device)
-
-    def masked_sampler(slot):
-        slot.tokens, slot.logprobs, slot.top_ids, runner.carrier = runner._resample(
-            False, 0, True, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, runner.carrier, sampler_input)
-
-    return device_step_ms(llm, rows, then=masked_sampler if masked else None)
-
-
 PHASES = {  # host phases of a step: (start, end) telemetry fields
     "plan": ("t_plan", "t_planned"), "launch": ("t_launch", "t_launched"), "wait": ("t_commit", "t_ready"),
-    "advance": ("t_ready", "t_advanced"), "commit": ("t_advanced", "t_committed"),
+    "commit": ("t_ready", "t_committed"),
     "mask_fill": ("t_finalize", "t_masked"), "sampler_dispatch": ("t_masked", "t_finalized"),
 }
 
@@ -82,7 +66,7 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
 
     def span(r, phase):
         a, b = PHASES[phase]
-        return r[b] - r[a] if r[a] and r[b] else 0.0
+        return r[b] - r[a] if r.get(a) and r.get(b) else 0.0
 
     host = [sum(span(r, p) for p in PHASES if p != "wait") for r in decode]
     phases = {p: 1e3 * statistics.median([span(r, p) for r in decode]) for p in PHASES} if decode else {}
@@ -93,83 +77,70 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
                 if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b:vocab=49152")
     ap.add_argument("--tokenizer", default="benchmarks/assets/smollm2-tokenizer")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-stream", type=int, default=3)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--mask-threads", type=int, default=0, help="llguidance executor threads (0 = its default)")
-    ap.add_argument("--mask-fill", choices=("auto", "parallel", "serial"), default="auto",
-                    help="how grammar masks are filled (jphoton/constraints.py; auto = measured in the run)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--dtype", default=None)
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.export_tokenizer:
-        from jphoton.weights import load_model
-
-        load_model(None, None).tokenizer.save(pathlib.Path(args.export_tokenizer))
-        return
+        return export_tokenizer(args.export_tokenizer)
+    if QUICK:
+        args.streams, args.requests_per_stream = [max(args.streams)], 1
+    if not (pathlib.Path(args.tokenizer) / "tokenizer.json").exists():
+        export_tokenizer(args.tokenizer)
     info = device_info()
     print(info, flush=True)
     n_max = max(args.streams)
-    llm = LLM(args.model, tokenizer=args.tokenizer, max_model_len=256, pipeline_depth=2, max_num_seqs=n_max,
-              decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
-              prefill_buckets=((8, PROMPT),), num_kv_pages=n_max * 16 + 8)
-    if args.mask_threads:
-        import llguidance
-
-        llm.grammar._llguidance()
-        llm.grammar._executor = llguidance.LLExecutor(args.mask_threads)
-    llm.grammar.fill_mode = args.mask_fill
+    llm = LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=256, pipeline_depth=2,
+              max_num_seqs=n_max, decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
+              prefill_buckets=((min(8, n_max), PROMPT),), num_kv_pages=n_max * 16 + 8)
     schema = json.dumps(SCHEMA)
     rows, samples = [], []
     for n in args.streams:
         def guided(i):
-            return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, json_schema=schema)
+            return SamplingParams(max_tokens=args.max_tokens, temperature=0, json_schema=schema)
 
-        closed_loop(llm, n, 1, seed=99, make_params=guided)  # warm both paths
-        g = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
-        g_tl = llm.engine.telemetry.timeline()
+        closed_loop(llm, n, 1, seed=99, prompt_len=PROMPT, make_params=guided)  # warm both paths
+        g = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=guided)
         lengths = g["lengths"]
-        valid = sum(s.finish_reason == "stop" and _is_valid(s.text) for s in g["done"])
-        samples += [s.text for s in g["done"][:2]]
+        valid = sum(o["finish_reason"] == "stop" and _is_valid(o["text"]) for o in g["outputs"])
+        samples += [o["text"] for o in g["outputs"][:2]]
 
         def free(i, lengths=lengths):
-            return SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
+            return SamplingParams(max_tokens=max(1, lengths[i]), temperature=0, ignore_eos=True)
 
-        f = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=free)
-        f_tl = llm.engine.telemetry.timeline()
-        # Variant, same run: device calls inline on the engine thread instead of on the dispatcher thread.
-        threaded = llm.engine.runner.dispatcher
-        llm.engine.runner.dispatcher = Dispatcher(False)
-        o = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=guided)
-        o_tl = llm.engine.telemetry.timeline()
-        fi = closed_loop(llm, n, args.requests_per_stream, seed=n, make_params=free)
-        llm.engine.runner.dispatcher = threaded
-        gs, fs, os_ = summarize(g, g_tl), summarize(f, f_tl), summarize(o, o_tl)
-        dev_free, dev_guided = device_ms(llm, n, False), device_ms(llm, n, True)
-        fis = summarize(fi, llm.engine.telemetry.timeline())
-        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], schema_inline=os_,
-                   free_inline=fis, ratio_inline=os_["tok_s"] / fis["tok_s"], device_free_ms=dev_free,
+        f = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=free)
+        gs, fs = summarize(g, g["timeline"]), summarize(f, f["timeline"])
+        dev_free, dev_guided = llm.device_step_ms(n), llm.device_step_ms(n, sampler="masked")
+        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], device_free_ms=dev_free,
                    device_schema_ms=dev_guided, idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
                    idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
-                   valid=valid, requests=len(g["done"]), mask_fill=llm.grammar.fill_mode,
-                   mask_fill_trials_us_per_row={k: 1e6 * statistics.median(v) if v else None
-                                                for k, v in llm.grammar.fill_trials.items()})
+                   valid=valid, requests=len(g["outputs"]))
         rows.append(row)
         print(f"{n:2d} streams: schema {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = {row['ratio']:.1%}; "
               f"period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device {dev_guided:.3f} vs {dev_free:.3f} ms;"
               f" idle {row['idle_schema_ms']:.3f} vs {row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, "
-              f"finalize {gs['finalize_ms']:.3f} ms ({row['mask_fill']} fill), host {gs['host_ms']:.3f} vs "
-              f"{fs['host_ms']:.3f} ms; schema phases (ms) "
-              f"{ {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; free {fs['phases_ms'].get('commit', 0):.3f} commit; "
-              f"mean len {row['mean_len']:.0f}; valid {valid}/{len(g['done'])}; device calls inline (no dispatcher "
-              f"thread): schema {os_['tok_s']:.0f} vs free {fis['tok_s']:.0f} tok/s = {row['ratio_inline']:.1%}, "
-              f"period {os_['period_ms']:.3f} vs {fis['period_ms']:.3f} ms", flush=True)
+              f"finalize {gs['finalize_ms']:.3f} ms, host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; schema phases "
+              f"(ms) { {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; mean len {row['mean_len']:.0f}; "
+              f"valid {valid}/{len(g['outputs'])}", flush=True)
     print("sample outputs:", *samples[:3], sep="\n  ")
     write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "rows": rows,
                                                 "samples": samples[:4]})
+    return rows
+
+
+def export_tokenizer(path: str) -> None:
+    """Write the embedded model's tokenizer (SmolLM2's) to `path` (needs the embedded model installed)."""
+    from jphoton.weights import load_model
+
+    load_model(None, None).tokenizer.save(pathlib.Path(path))
+    print(f"wrote the embedded model's tokenizer to {path}", flush=True)
 
 
 def _is_valid(text: str) -> bool:

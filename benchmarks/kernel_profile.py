@@ -1,13 +1,11 @@
-"""Where the device time of one engine step goes, kernel by kernel (issue 8: "profile the decode step").
+"""Where the device time of one engine decode step goes, kernel by kernel (issue 8: "profile the decode step").
 
-Runs the engine's own jitted step (the serving path, same buckets and options) back to back under `jax.profiler`,
-reads the trace back with `jax.profiler.ProfileData` (no TensorBoard needed) and sums the device events per kernel
-name, per step. Several step shapes in one run, so a decode step and a mixed decode+prefill step can be compared.
+Runs the engine's own decode step (the serving path, same buckets and options) back to back through
+`LLM.device_step_ms` under `jax.profiler`, reads the trace back with `jax.profiler.ProfileData` (no TensorBoard needed)
+and sums the device events per kernel name, per step; and prints one step's kernels in order with the gaps between.
 
-    python benchmarks/kernel_profile.py --model random:llama3.2-1b --shapes 1:0 32:0 32:64 --out /tmp/prof.json
+    python benchmarks/kernel_profile.py --model random:llama3.2-1b --rows 2 32 --ctx 512 --out /tmp/prof.json
     python benchmarks/kernel_profile.py --smoke        # tiny model on the CPU: checks the plumbing, not the numbers
-
-A shape is DECODE_ROWS:PREFILL_TOKENS (one prefill row of that many tokens; 0 = a pure decode step).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import argparse
 import collections
 import glob
 import os
-import re
 import sys
 import tempfile
 
@@ -24,22 +21,8 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import decode_step_input, device_info, steps_back_to_back, write_json  # noqa: E402
+from benchmarks.common import QUICK, device_info, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
-from jphoton.engine.step import StepShape  # noqa: E402
-
-
-def run_steps(runner, shape: StepShape, n: int, context: int) -> float:
-    """n steps of `shape` back to back, decode rows attending over `context` tokens each; seconds per step."""
-    return steps_back_to_back(runner, shape, decode_step_input(runner, shape, context if not shape.prefill_rows else 0), n)
-
-
-def compiled_text(runner, shape: StepShape) -> str:
-    """The optimized HLO of the step that `run_steps` runs (same arguments, so the same executable)."""
-    packed = decode_step_input(runner, shape)
-    slot = runner.slots[runner._next_slot]
-    return runner._step.lower(shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits,
-                              packed).compile().as_text()
 
 
 def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str], list[tuple[int, int, str]]]:
@@ -92,41 +75,22 @@ def one_step_timeline(events: list[tuple[int, int, str]], steps: int) -> list[di
     return out
 
 
-def fusion_bodies(hlo: str, names: list[str], max_lines: int = 12) -> dict[str, str]:
-    """For each kernel name (an XLA fusion's instruction name with '.' written '_'), the fusion's instruction line and
-    the first lines of the computation it calls: what a kernel called `input_reduce_fusion_35` actually computes."""
-    out = {}
-    for name in names:
-        m = re.search(r"^\s*(?:ROOT )?%?(" + re.escape(name).replace("_", "[._]") + r") = (.*)$", hlo, re.M)
-        if not m:
-            continue
-        text = m.group(0).strip()[:600]
-        called = re.search(r"calls=%?([\w.\-]+)", m.group(2))
-        if called:
-            body = re.search(r"^%?" + re.escape(called.group(1)) + r" .*?\{\n(.*?)^\}", hlo, re.M | re.S)
-            if body:
-                text += "\n" + "\n".join(line[:300] for line in body.group(1).splitlines()[:max_lines])
-        out[name] = text
-    return out
-
-
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b")
-    ap.add_argument("--shapes", nargs="+", default=["1:0", "32:0", "32:64"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 32], help="decode rows of the profiled steps")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--ctx", type=int, default=512, help="tokens of context per decode row (pure decode shapes)")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens of context per decode row")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", type=int, default=60, help="kernels of one step printed in order")
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.shapes, args.steps, args.ctx = "random:smollm2-135m:layers=2", ["2:0", "2:16"], 3, 64
-    shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
-    decode = tuple(sorted({d for d, _ in shapes if d}))
-    prefill = tuple(sorted({(1, t) for _, t in shapes if t})) or ((1, 16),)
+        args.model, args.rows, args.steps, args.ctx = "random:smollm2-135m:layers=2", [2], 3, 64
+    if QUICK:
+        args.rows, args.steps = args.rows[:1], 5
     extra = {}
     for kv in filter(None, args.llm_args.split(",")):
         k, v = kv.split("=", 1)
@@ -134,30 +98,24 @@ def main() -> None:
     info = device_info()
     print(info, flush=True)
     pages = -(-max(args.ctx, 256) // 16)
-    llm = LLM(args.model, max_model_len=pages * 16, pipeline_depth=2, max_num_seqs=max(decode or (1,)),
-              decode_buckets=decode or (1,), prefill_buckets=prefill,
-              max_num_batched_tokens=max(decode or (1,)) + max(t for _, t in prefill),
-              num_kv_pages=max(decode or (1,)) * pages + 8, progress=False, **extra)
-    runner = llm.engine.runner
+    rows_max = max(args.rows)
+    llm = LLM(args.model, max_model_len=pages * 16, pipeline_depth=2, max_num_seqs=rows_max,
+              decode_buckets=tuple(sorted(set(args.rows))), prefill_buckets=((1, 16),),
+              max_num_batched_tokens=rows_max + 16, num_kv_pages=rows_max * pages + 8, progress=False, warmup=False,
+              **extra)
     rows = []
-    for d, t in shapes:
-        shape = next((s for s in runner._layouts if s.decode_rows == d and s.prefill_tokens == t
-                      and s.prefill_rows == (1 if t else 0)), None)
-        if shape is None:  # a decode shape below the engine's smallest bucket (e.g. B=1 where the matmul wants 2 rows)
-            shape = StepShape(d, 0, 0, 0 if runner.static.pallas_decode else pages)
-            runner.layout(shape)
-        run_steps(runner, shape, 3, args.ctx)
-        hlo = compiled_text(runner, shape)
-        wall = run_steps(runner, shape, args.steps, args.ctx)
+    for d in args.rows:
+        llm.device_step_ms(d, context=args.ctx, steps=3)  # compile + warm
+        ms = llm.device_step_ms(d, context=args.ctx, steps=args.steps)
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
-            run_steps(runner, shape, args.steps, args.ctx)
+            llm.device_step_ms(d, context=args.ctx, steps=args.steps)
             jax.profiler.stop_trace()
             totals, lines, events = device_events(tmp)
-        row = dict(decode_rows=d, prefill_tokens=t, ms_per_step=1e3 * wall)
-        print(f"\n== decode rows {d}, prefill tokens {t} ({shape}): {1e3 * wall:.3f} ms/step back to back", flush=True)
+        row = dict(decode_rows=d, context=args.ctx, ms_per_step=ms)
+        print(f"\n== decode rows {d}, context {args.ctx}: {ms:.3f} ms/step back to back", flush=True)
         for kind in ("ops", "kernels"):
-            per_step = {k: v / args.steps / 1e3 for k, v in totals[kind].items()}  # µs per step
+            per_step = {k: v / args.steps / 1e3 for k, v in totals[kind].items()}  # us per step
             busy = sum(per_step.values())
             top = sorted(per_step.items(), key=lambda kv: -kv[1])[:args.top]
             print(f"  {kind}: {busy / 1e3:.3f} ms/step in {len(per_step)} names", flush=True)
@@ -179,14 +137,10 @@ def main() -> None:
                 print(f"   +{e['gap_us']:5.1f} {e['us']:7.1f} us  {e['name'][:100]}")
         else:
             print(f"  one step: no kernel name occurs once per step in {len(events)} events")
-        kernels = list(row["kernels"]["all"])[:args.top]
-        kernels += [e["name"] for e in timeline[:args.timeline] if e["name"] not in kernels]
-        row["fusions"] = fusion_bodies(hlo, kernels)
-        for name in kernels[:6]:
-            print(f"\n  -- {name}:\n" + row["fusions"].get(name, "(not found in the compiled HLO)"), flush=True)
         rows.append(row)
     if args.out:
-        write_json(args.out, {"info": info, "model": args.model, "attention": llm.attention, "rows": rows})
+        write_json(args.out, {"info": info, "model": args.model, "llm_args": extra, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

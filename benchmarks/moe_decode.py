@@ -1,7 +1,6 @@
 """MoE decode (issue 6): the warp-decode Pallas kernels vs the plain-JAX paths, per layer and through the engine.
 
     python benchmarks/moe_decode.py layer --out /tmp/moe_layer.json          # Qwen3-30B-A3B and moondream3 shapes
-    python benchmarks/moe_decode.py layer --sweep --shapes qwen3-30b-a3b     # tile configs of the two warp kernels
     python benchmarks/moe_decode.py e2e --out /tmp/moe_e2e.json              # random:qwen3-30b-a3b through the engine
     python benchmarks/moe_decode.py layer --smoke; python benchmarks/moe_decode.py e2e --smoke   # tiny, on the CPU
     python benchmarks/moe_decode.py check                                    # correctness on this device, ~1 min
@@ -11,7 +10,8 @@ the warp kernels at Qwen3-30B-A3B shape against the float32 reference (stacked w
 
 layer: one MoE layer's routed experts (routing is given: the same for every path; the router's own time is reported
 once) for B tokens, bf16 weights and activations. Paths: warp_decode (two Pallas kernels), expert_centric (sort +
-`ragged_dot_general` + combine), dense_gather (`w[ids]` + einsum). Each timing runs R calls inside one jitted function
+`ragged_dot_general` + combine), dense_gather (`w[ids]` + einsum; a local copy: the engine has no such backend). Each
+timing runs R calls inside one jitted function
 (dispatch amortised), each call with its own random routing, cycling through four layers' weights and chained (each
 call waits for the previous one), so no call finds its experts in L2 from an earlier one. Bandwidth = bytes of the
 experts the call actually touched / time, compared with the read bandwidth (`jnp.sum` over 8 GiB) measured in the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import itertools
 import logging
 import sys
 import time
@@ -39,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, read_bandwidth, write_json  # noqa: E402
+from benchmarks.common import QUICK, device_info, read_bandwidth, write_json  # noqa: E402
 from jphoton.models import moe  # noqa: E402
 from pallas_kernels import moe_warp_decode as wd  # noqa: E402
 
@@ -126,6 +125,15 @@ def warp_impl(cfg=None):
     return lambda x, ids, w, g, u, d: wd.moe_warp_decode(x, ids, w, g, u, d, config=cfg)
 
 
+def dense_gather(x, ids, weights, w_gate, w_up, w_down):
+    """Gather the k expert matrices of every token and einsum (fp32 accumulation, x.dtype intermediates)."""
+    g = jnp.einsum("nd,nkfd->nkf", x, w_gate[ids], preferred_element_type=jnp.float32)
+    u = jnp.einsum("nd,nkfd->nkf", x, w_up[ids], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    y = jnp.einsum("nkf,nkdf->nkd", h, w_down[ids], preferred_element_type=jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
+
+
 def expert_centric_kn(x, ids, weights, g, u, d):
     """The expert-centric path on weights stored for it ([E, D, F] gate/up, [E, F, D] down: `lax.ragged_dot`'s own
     layout), so that the baseline is not charged for a layout it did not choose."""
@@ -144,7 +152,7 @@ def expert_centric_kn(x, ids, weights, g, u, d):
 
 # name -> (function (x, ids, weights, w_gate, w_up, w_down), weight layout it takes)
 IMPLS = {"warp_decode": (warp_impl(), "out_in"), "expert_centric": (moe.expert_centric, "out_in"),
-         "expert_centric_kn": (expert_centric_kn, "in_out"), "dense_gather": (moe.dense_gather, "out_in")}
+         "expert_centric_kn": (expert_centric_kn, "in_out"), "dense_gather": (dense_gather, "out_in")}
 PLAIN = ("expert_centric", "expert_centric_kn", "dense_gather")
 
 
@@ -157,7 +165,7 @@ def layer_bench(args) -> dict:
     info = device_info()
     print(f"{info}\nread bandwidth: {bw / 1e12:.3f} TB/s (jnp.sum over {'0.05' if args.smoke else '8'} GiB)",
           flush=True)
-    rows, sweeps = [], []
+    rows = []
     for name, s in shapes.items():
         D, F, E, K = s["D"], s["F"], s["E"], s["K"]
         t0 = time.perf_counter()
@@ -194,12 +202,10 @@ def layer_bench(args) -> dict:
                 row["paths"][path] = entry
             _finish_row(row)
             rows.append(row)
-            if args.sweep:
-                sweeps.append(sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=args.smoke))
             if args.out:  # after every row: a section cut off by its time box still leaves its numbers
                 write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
-                                      "sweeps": sweeps, "partial": True})
-    return {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows, "sweeps": sweeps,
+                                      "partial": True})
+    return {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
             "acceptance": acceptance(rows)}
 
 
@@ -247,60 +253,6 @@ def _finish_row(row: dict) -> None:
     if "speedup_vs_best_plain" in row:
         parts.append(f"speedup {row['speedup_vs_best_plain']:.2f}x")
     print(" | ".join(parts), flush=True)
-
-
-GATE_UP_TILES = ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256))  # (block_f, block_k)
-DOWN_TILES = ((4, 256), (8, 256), (16, 256), (8, 512), (16, 128))  # (block_d, block_fd)
-
-
-def sweep(weights, routes, touched, bw, B, D, F, E, K, reps, small=False) -> dict:
-    """Each kernel alone over tile sizes, warps, stages and slot modes; then the best pair together."""
-    n = 2 if small else None
-    warps = (4,) if small else (4, 8)
-    loops = ((False, 3),) if small else ((False, 3), (False, 4), (True, 3))  # (unrolled, pipeline stages)
-    slot_modes = ("pairs", "experts") if E // 4 <= B * K <= E else ("pairs" if B * K < E // 2 else "experts",)
-    (g, u, d) = weights[0]
-    g4, u4, d4 = g[None], u[None], d[None]
-    layer = jnp.zeros((1,), jnp.int32)
-    interp = wd._use_interpret(None)
-    results = {"B": B, "gate_up": [], "down": []}
-    x, ids, w = routes[0]
-    base = wd.default_config(B, E, K, D, F)
-    h = wd.gate_up(x, ids, wd._slots(ids, E, base.slots), g4, u4, layer, base, interp)
-    for (bf, bk), nw, (unroll, ns), slots in itertools.product(GATE_UP_TILES[:n], warps, loops, slot_modes):
-        cfg = wd.WarpDecodeConfig(block_f=bf, block_k=bk, warps_gate_up=nw, stages_gate_up=ns, slots=slots,
-                                  unroll_gate_up=unroll)
-        fn = jax.jit(lambda x, ids, cfg=cfg: wd.gate_up(x, ids, wd._slots(ids, E, cfg.slots), g4, u4, layer, cfg, interp))
-        results["gate_up"].append(_sweep_point(fn, (x, ids), cfg, reps))
-    for (bd, bfd), nw, (unroll, ns) in itertools.product(DOWN_TILES[:n], warps, loops):
-        cfg = wd.WarpDecodeConfig(block_d=bd, block_fd=bfd, warps_down=nw, stages_down=ns, unroll_down=unroll)
-        fn = jax.jit(lambda h, ids, w, cfg=cfg: wd.down(h, ids, w, d4, layer, jnp.bfloat16, cfg, interp))
-        results["down"].append(_sweep_point(fn, (h, ids, w), cfg, reps))
-    best = {}
-    for kind in ("gate_up", "down"):
-        ok = [r for r in results[kind] if "us" in r]
-        if ok:
-            best[kind] = min(ok, key=lambda r: r["us"])
-            print(f"   sweep B={B} {kind}: best {best[kind]['us']:.1f}us {best[kind]['config']} "
-                  f"({len(ok)}/{len(results[kind])} configs compiled)", flush=True)
-    if len(best) == 2:
-        c = {**best["gate_up"]["config"], **{k: v for k, v in best["down"]["config"].items()
-                                                if k in ("block_d", "block_fd", "warps_down", "stages_down", "unroll_down")}}
-        cfg = wd.WarpDecodeConfig(**c)
-        sec = time_impl(warp_impl(cfg), weights, routes, reps)
-        results["best"] = dict(config=c, us=sec * 1e6, fraction_of_read_bw=touched / sec / bw)
-        print(f"   sweep B={B} best pair: {sec * 1e6:.1f}us = {touched / sec / bw:.1%} of read bandwidth", flush=True)
-    return results
-
-
-def _sweep_point(fn, a, cfg, reps) -> dict:
-    import dataclasses
-
-    try:
-        us = _time_simple(fn, *a, reps=max(reps * 4, 10)) * 1e6
-        return dict(config=dataclasses.asdict(cfg), us=us)
-    except Exception as e:
-        return dict(config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {e}"[:500])
 
 
 # ---- end to end --------------------------------------------------------------------------------------------------------
@@ -432,7 +384,7 @@ def check(args) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("layer", "e2e", "check"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes that run on the CPU (interpret mode)")
@@ -442,7 +394,6 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--calls", type=int, default=8, help="layer: calls per timed jit (each with its own routing)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--sweep", action="store_true", help="layer: also sweep the warp kernels' tile configs")
     ap.add_argument("--backends", nargs="+", default=["warp_decode", "expert_centric"], choices=list(moe.MOE_BACKENDS))
     ap.add_argument("--layers", type=int, default=0, help="e2e: decoder layers (0 = as many as fit)")
     ap.add_argument("--reserve-gib", type=float, default=8.0, help="e2e: memory kept free beside the weights")
@@ -450,7 +401,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=2, choices=(1, 2), help="e2e: pipeline depth")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if QUICK:
+        args.batch = [1] if args.mode == "e2e" else [1, 32]
+        args.reps, args.new_tokens, args.layers, args.shapes = 3, min(args.new_tokens, 16), 4, args.shapes[:1]
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jphoton").setLevel(logging.INFO)
     t0 = time.perf_counter()
@@ -459,6 +413,7 @@ def main() -> None:
     print(f"done in {result['wall_s']:.0f}s", flush=True)
     if args.out:
         write_json(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

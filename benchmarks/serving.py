@@ -289,7 +289,7 @@ def _forward(stream) -> None:
             BASELINE[row["concurrency"]] = row
 
 
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default=None)
@@ -307,7 +307,12 @@ def main() -> None:
                     help="skip timing the engine alone (no gRPC) in the server process before it serves")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: run as the server child
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    from benchmarks.common import QUICK
+
+    if QUICK:
+        args.concurrency, args.requests_per_client = args.concurrency[:1], 2
+        args.new_tokens = min(args.new_tokens, 64)
     if args.serve is not None:
         serve_child(json.loads(args.serve))
         return
@@ -336,6 +341,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"done in {result['total_s']:.0f} s" + (f"; wrote {args.out}" if args.out else ""), flush=True)
+    return result
 
 
 if __name__ == "__main__":

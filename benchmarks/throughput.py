@@ -18,15 +18,19 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import device_info, param_bytes, read_bandwidth, timed_run, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    QUICK,
+    device_info,
+    kv_bytes_read,
+    read_bandwidth,
+    timed_run,
+    weight_bytes,
+    write_json,
+)
 from jphoton import LLM, SamplingParams  # noqa: E402
 
 
-def kv_bytes_read(cfg, batch: int, ctx: float, itemsize: int) -> float:
-    return batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -34,12 +38,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default="throughput.json")
-    args = ap.parse_args()
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the read-bandwidth probe")
+    args = ap.parse_args(argv)
+    if QUICK:
+        args.batch, args.new_tokens, args.depths = [1, max(args.batch)], min(args.new_tokens, 32), [2]
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jphoton").setLevel(logging.INFO)
 
     info = device_info()
-    bw = read_bandwidth()
+    bw = read_bandwidth(args.bandwidth_gib)
     print(f"{info}\nread bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     max_b = max(args.batch)
     ctx_len = args.prompt_len + args.new_tokens
@@ -48,13 +56,13 @@ def main() -> None:
     for depth in args.depths:
         t0 = time.perf_counter()
         # One context bucket and one prefill shape keep the compile count (and a fresh machine's start-up) small.
-        llm = LLM(args.model, max_model_len=ctx_len, pipeline_depth=depth, page_size=page_size,
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=ctx_len, pipeline_depth=depth, page_size=page_size,
                   num_kv_pages=max_b * (-(-ctx_len // page_size)) + 8, max_num_seqs=max_b,
                   decode_buckets=tuple(sorted(set(args.batch))), max_num_batched_tokens=8 * args.prompt_len,
-                  prefill_buckets=((8, args.prompt_len),), progress=True)
+                  prefill_buckets=((min(8, max_b), args.prompt_len),), progress=True)
         startup = time.perf_counter() - t0
-        wbytes = param_bytes(llm.model.params)
-        itemsize = llm.model.params["embed"].dtype.itemsize
+        itemsize = 4 if args.dtype == "float32" else 2
+        wbytes = weight_bytes(llm.config, itemsize)
         print(f"depth {depth}: start-up (load + compile all buckets) {startup:.1f}s, "
               f"compiles so far {llm.stats()['num_compiles']}", flush=True)
         rng = np.random.default_rng(0)
@@ -77,6 +85,7 @@ def main() -> None:
         del llm
     write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,
                           "weight_bytes": wbytes})
+    return rows
 
 
 if __name__ == "__main__":

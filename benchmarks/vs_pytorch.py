@@ -39,23 +39,24 @@ Rows (`--rows`):
                      ms/step does not, and `tok_s_from_first_token` leaves it out.
                      Without timestamps (older versions): wall-clock numbers, marked in the row.
   jphoton-blocking   LLM(pipeline_depth=1), the engine's serving path (`benchmarks/common.py` timed_run: all requests
-  jphoton-pipelined  submitted at once, greedy, ignore_eos, one tick at a time): ms/step = median tick time of decode
-                     ticks; TTFT = median time to first token; tok/s = tokens / wall. Both rows share one engine (and
-                     so one set of compiled step shapes): `engine.depth` is switched between runs on the idle engine.
-                     Buckets are exactly what the cases need: decode buckets = the section's B values, prefill buckets
-                     (1, P) and (min(8, max B), P), one context bucket; the shapes are compiled by an untimed warm-up
-                     run of each case (so `compiles_during_run` should be 0). Default attention / matmul of the GPU
-                     (reported as `attention`). Pipelined rows also carry `device_step_ms`: the same decode step
-                     dispatched back to back with no host work between (benchmarks/pipeline.py; every row of the
+  jphoton-pipelined  added at once, greedy, ignore_eos, `LLM.step()` to the end): ms/step = median time of the step()
+                     calls that launched a decode step; TTFT = median time to first token; tok/s = tokens / wall. One
+                     engine per row, on the same weights (pipelined first; the second finds its compiled steps in the
+                     persistent XLA cache). Buckets are exactly what the cases need: decode buckets = the section's
+                     B values, prefill buckets (1, P) and (min(8, max B), P), one context bucket; the shapes are
+                     compiled by an untimed warm-up run of each case (so `compiles_during_run` should be 0).
+                     Default attention / matmul of the GPU. Pipelined rows also carry `device_step_ms`: the same decode step
+                     dispatched back to back with no host work between (`LLM.device_step_ms`; every row of the
                      bucket at the median tick's context), and `tick_over_device_step` (1.0 = device-bound).
 Every row also reports decode tok/s = B / ms_step and the floor = (weight bytes + KV bytes at the mean context) / read
 bandwidth, the bandwidth measured in the same run (`jnp.sum` over an 8 GiB bf16 array, benchmarks/common.py), and
 step / floor.
 
-Agreement (in every run with a jphoton row): for `--agree` prompts of the main prompt length, the last prompt position's
-logits of HF (eager forward) and of jphoton's first engine step (the step's float32 logits buffer), max|d| / max|ref|
-(target <= 2e-2 in bf16), and the number of matching leading tokens of the first 32 greedy tokens per prompt (HF eager
-`generate` vs the engine). Near-ties in bf16 random weights may diverge: reported, not asserted.
+Agreement (in every run with a jphoton row): for `--agree` prompts of the main prompt length, the log-probabilities of
+the first generated token's top 20 (jphoton's `SamplingParams(logprobs=20)`) against HF's log-softmax of the last
+prompt position's logits (eager forward) at the same ids, max |d|, and the number of matching leading tokens of the
+first 32 greedy tokens per prompt (HF eager `generate` vs the engine). Near-ties in bf16 random weights may diverge:
+reported, not asserted.
 
 Output: `--out DIR`: vs_pytorch_TAG.json (rows written as they finish, so a time-boxed run keeps what it measured), a
 markdown table on stdout and vs_pytorch_TAG.png (ms/step and decode tok/s vs B per row, one column per shape).
@@ -95,7 +96,7 @@ from benchmarks.vs_pytorch_hf import (  # noqa: E402
     hf_static_case,
     torch_state_to_host,
 )
-from benchmarks.vs_pytorch_report import ROWS, add_floor, matching_lead, merge, plot, rel_errors, table, write  # noqa: E402
+from benchmarks.vs_pytorch_report import ROWS, add_floor, matching_lead, merge, plot, table, write  # noqa: E402
 
 log = logging.getLogger("vs_pytorch")
 
@@ -147,78 +148,75 @@ def check_against_preset(shape: str, cfg) -> list[str]:
 
 
 # ---- jphoton rows ---------------------------------------------------------------------------------------------------
-def make_llm(cfg, params, batches: list[int], prompt_len: int, max_len: int, args, matmul: str | None = None):
+def make_model(cfg, params, matmul: str):
+    """What LLM(model=DIR) builds from a loaded checkpoint."""
     import jax
 
-    from jphoton import LLM
     from jphoton.models.protocol import llama_family
 
-    accelerator = jax.default_backend() != "cpu"
-    model = llama_family(cfg, params, None, f"vs_pytorch:{cfg.name}", unroll_layers=accelerator,
-                         matmul=matmul or args.matmul, fuse=True)  # what LLM(model=DIR) builds from a loaded checkpoint
+    return llama_family(cfg, params, None, f"vs_pytorch:{cfg.name}", unroll_layers=jax.default_backend() != "cpu",
+                        matmul=matmul, fuse=True)
+
+
+def make_llm(model, batches: list[int], prompt_len: int, max_len: int, args, depth: int):
+    from jphoton import LLM
+
     max_b = max(batches)
     rows = min(8, max_b)
     prefill = tuple(sorted({(1, prompt_len), (rows, prompt_len)}))
     page = 16
-    return LLM(model, max_model_len=max_len, pipeline_depth=1, page_size=page,
+    return LLM(model, max_model_len=max_len, pipeline_depth=depth, page_size=page,
                num_kv_pages=max(max_b, args.agree) * -(-max_len // page) + 8, max_num_seqs=max_b,
                decode_buckets=tuple(sorted(set(batches))), prefill_buckets=prefill,
                max_num_batched_tokens=rows * prompt_len + max_b, attention=args.attention, warmup=False,
                progress=False)
 
 
-def jphoton_first_logits(llm, prompts: list[list[int]]) -> np.ndarray:
-    """The float32 logits the engine's first step computed for each prompt's last position: all prompts in one
-    prefill-only step (rows 0..n-1 of the step's logits buffer) when one prefill bucket and max_num_seqs hold them,
-    else one step per prompt."""
-    import jax
-
+def jphoton_first_logprobs(llm, prompts: list[list[int]], k: int = 20) -> list[dict[int, float]]:
+    """{token id: logprob} of the top k of each prompt's first generated token (greedy)."""
     from jphoton import SamplingParams
 
-    sched = llm.engine.scheduler.config
-    if len(prompts) > 1 and (len(prompts) > sched.max_num_seqs or len(prompts) > max(r for r, _ in sched.prefill_buckets)
-                             or max(map(len, prompts)) > sched.max_prefill_chunk):
-        return np.concatenate([jphoton_first_logits(llm, [p]) for p in prompts])
-    runner = llm.engine.runner
-    slot_index, steps = runner._next_slot, llm.engine.num_steps
-    seqs = llm._make_sequences(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    for s in seqs:
-        llm._submit(s)
-    while llm.engine.has_work():
-        llm._tick()
-    for s in seqs:
-        llm._outputs.pop(s.request_id, None)
-    if llm.engine.num_steps != steps + 1:
-        raise RuntimeError(f"expected one engine step for {len(prompts)} prompt(s), got {llm.engine.num_steps - steps}")
-    return np.asarray(jax.device_get(runner.slots[slot_index].logits[:len(prompts)]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=k))
+    return [o.logprobs[0][2] for o in outs]
 
 
 def jphoton_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     from jphoton import SamplingParams
 
-    seqs = llm._make_sequences(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    for s in seqs:
-        llm._submit(s)
-    while llm.engine.has_work():
-        llm._tick()
-    for s in seqs:
-        llm._outputs.pop(s.request_id, None)
-    return [list(s.output_ids) for s in seqs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def logprob_errors(ours: list[dict[int, float]], ref_logits: np.ndarray) -> list[float]:
+    """max |logprob - HF log-softmax| over each prompt's top ids."""
+    out = []
+    for lp, logits in zip(ours, ref_logits, strict=True):
+        x = logits.astype(np.float64)
+        ref = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        out.append(float(max(abs(v - ref[i]) for i, v in lp.items())))
+    return out
 
 
 def agreement(ref: dict, llm, prompts: list[list[int]]) -> dict:
-    ours = jphoton_first_logits(llm, prompts)
-    rel = rel_errors(ours, ref["logits"])
-    argmax_same = [bool(np.argmax(o) == np.argmax(r)) for o, r in zip(ours, ref["logits"], strict=True)]
+    ours = jphoton_first_logprobs(llm, prompts)
+    err = logprob_errors(ours, ref["logits"])
+    first_same = [max(o, key=o.get) == int(np.argmax(r)) for o, r in zip(ours, ref["logits"], strict=True)]
     toks = jphoton_greedy(llm, prompts, ref["tokens"].shape[1])
-    out = dict(prompts=len(prompts), logits_rel_err=rel, logits_rel_err_max=max(rel), first_token_same=argmax_same,
+    out = dict(prompts=len(prompts), logprob_abs_err=err, logprob_abs_err_max=max(err), first_token_same=first_same,
                greedy_tokens=ref["tokens"].shape[1],
-               greedy_matching_lead=[matching_lead(m, r) for m, r in zip(toks, ref["tokens"].tolist(), strict=True)],
-               target=2e-2)
+               greedy_matching_lead=[matching_lead(m, r) for m, r in zip(toks, ref["tokens"].tolist(), strict=True)])
     if "logits_fp32" in ref:  # each bf16 implementation against the float32 run of the same weights
         f32, t32 = ref["logits_fp32"], ref["tokens_fp32"].tolist()
+        hf_top = [dict.fromkeys(o, 0.0) for o in ours]  # the same ids, HF's values
+        for d, logits in zip(hf_top, ref["logits"], strict=True):
+            x = logits.astype(np.float64)
+            lse = x.max() + np.log(np.exp(x - x.max()).sum())
+            for i in d:
+                d[i] = float(x[i] - lse)
         out.update(
-            jphoton_vs_fp32_rel_err=rel_errors(ours, f32), hf_bf16_vs_fp32_rel_err=rel_errors(ref["logits"], f32),
+            jphoton_vs_fp32_logprob_err=logprob_errors(ours, f32), hf_bf16_vs_fp32_logprob_err=logprob_errors(hf_top, f32),
             jphoton_vs_fp32_greedy_lead=[matching_lead(m, r) for m, r in zip(toks, t32, strict=True)],
             hf_bf16_vs_fp32_greedy_lead=[matching_lead(m, r) for m, r in zip(ref["tokens"].tolist(), t32, strict=True)])
     return out
@@ -228,7 +226,6 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     from benchmarks.common import timed_run
     from jphoton import SamplingParams
 
-    llm.engine.depth = depth  # an idle engine: the next ticks run blocking (1) or pipelined (2)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     timed_run(llm, prompts, params, guard=False)  # untimed twin: compiles exactly the shapes this case steps through
@@ -236,17 +233,14 @@ def jphoton_case(llm, prompts: list[list[int]], new_tokens: int, depth: int) -> 
     r = timed_run(llm, prompts, params)
     out = dict(ms_step=r.decode_ms_median, ms_step_mean=r.decode_ms_mean, ttft_ms=r.ttft_ms_median, tok_s=r.tok_s,
                wall_s=r.wall_s, new_tokens=new_tokens, decode_steps=r.decode_steps,
-               compiles_during_run=r.compiles_during_run, warmup_s=warm, attention=llm.attention,
-               slowest_ticks=r.slowest_ticks, gc_ms=r.gc_ms, gc_ticks=r.gc_ticks)
+               compiles_during_run=r.compiles_during_run, warmup_s=warm, slowest_ticks=r.slowest_ticks, gc_ms=r.gc_ms,
+               gc_ticks=r.gc_ticks)
     if depth == 2:  # the same decode step back to back, no host work between: how device-bound the pipeline is
-        from benchmarks.pipeline import device_step_ms
-
-        bucket = min(b for b in llm.engine.scheduler.config.decode_buckets if b >= len(prompts))
         context = len(prompts[0]) + new_tokens // 2  # the median tick's context (every row of the bucket gets it)
-        out["device_step_ms"] = device_step_ms(llm, bucket, reps=30, context=context)
+        out["device_step_ms"] = llm.device_step_ms(len(prompts), context=context, steps=30)
         out["tick_over_device_step"] = out["ms_step"] / out["device_step_ms"]
-        log.info("pipelined tick %.3f ms, the same step back to back %.3f ms (bucket %d, context %d): %.3fx",
-                 out["ms_step"], out["device_step_ms"], bucket, context, out["tick_over_device_step"])
+        log.info("pipelined tick %.3f ms, the same step back to back %.3f ms (%d rows, context %d): %.3fx",
+                 out["ms_step"], out["device_step_ms"], len(prompts), context, out["tick_over_device_step"])
     return out
 
 
@@ -350,11 +344,8 @@ def jphoton_rows(args, payload, record, over_budget, out, tag, shape, cases, bat
         max_len = max(len(c[2][0]) + c[3] for c in cases)
         if ref is not None:
             max_len = max(max_len, P + args.greedy_tokens)
-        t = time.perf_counter()
-        llm = make_llm(cfg, params, batches, P, max_len, args)
+        model = make_model(cfg, params, args.matmul)
         del params
-        payload["handoff"]["llm_build_s"] = time.perf_counter() - t
-        payload["attention"] = llm.attention
 
         def check_agreement(llm, key: str) -> None:
             if ref is None or over_budget():
@@ -367,36 +358,17 @@ def jphoton_rows(args, payload, record, over_budget, out, tag, shape, cases, bat
             log.info("%s: %s", key, payload[key])
             write(out, tag, payload)
 
-        check_agreement(llm, "agreement")
-        for case in cases:
-            for row in jp_rows:
-                record(row, case, lambda c=case, row=row: jphoton_case(
-                    llm, c[2], c[3], 1 if row == "jphoton-blocking" else 2))
-        if args.gc_ab:  # the same pipelined cases once more with the objects LLM() froze handed back to the GC
-            gc.unfreeze()
-            for label, b, ps, n in cases:
-                record("jphoton-pipelined", (f"{label} GC unfrozen", b, ps, n),
-                       lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
-        if args.ab_dispatch_thread:  # the same engine, its device calls moved to a dispatcher thread
-            from jphoton.engine.dispatch import Dispatcher
-
-            llm.engine.runner.dispatcher.drain()
-            llm.engine.runner.dispatcher = Dispatcher(threaded=True)
-            for label, b, ps, n in cases:
-                record("jphoton-pipelined", (f"{label} dispatch thread", b, ps, n),
-                       lambda ps=ps, n=n: jphoton_case(llm, ps, n, 2))
-            llm.engine.runner.dispatcher.drain()
-            llm.engine.runner.dispatcher = Dispatcher(threaded=False)
-        for kind in args.ab_matmul:  # the same weights (already in the serving layout) under another matmul hook
-            fused_params = llm.model.params
+        for row in sorted(jp_rows, key=lambda r: r != "jphoton-pipelined"):  # pipelined first: the headline row
+            depth = 1 if row == "jphoton-blocking" else 2
+            t = time.perf_counter()
+            llm = make_llm(model, batches, P, max_len, args, depth)
+            payload["handoff"][f"llm_build_s_depth{depth}"] = time.perf_counter() - t
+            if "agreement" not in payload:
+                check_agreement(llm, "agreement")
+            for case in cases:
+                record(row, case, lambda c=case, llm=llm, depth=depth: jphoton_case(llm, c[2], c[3], depth))
             del llm
             gc.collect()
-            llm = make_llm(cfg, fused_params, batches, P, max_len, args, matmul=kind)
-            del fused_params
-            check_agreement(llm, f"agreement matmul={kind}")
-            for label, b, ps, n in cases:
-                record("jphoton-pipelined", (f"{label} matmul={kind}", b, ps, n),
-                       lambda ps=ps, n=n, llm=llm: jphoton_case(llm, ps, n, 2))
 
     return bw
 
@@ -421,11 +393,9 @@ def jphoton_child(args, shape, batches, P, N, ctx_prompt) -> None:
 
 
 # ---- main -----------------------------------------------------------------------------------------------------------
-def main() -> None:
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b")
-    ap.add_argument("--gc-ab", action="store_true",
-                    help="repeat the pipelined cases after gc.unfreeze() (LLM freezes its start-up objects)")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on CPU in float32 (checks the plumbing)")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 8 32 128 (smoke: 1 4)")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
@@ -440,10 +410,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attention", default="auto", help="jphoton attention (default: the engine's own choice)")
     ap.add_argument("--matmul", default="auto")
-    ap.add_argument("--ab-matmul", nargs="+", default=[], metavar="KIND",
-                    help="repeat the pipelined cases with these matmul kinds (models/matmul.py), same weights and run")
-    ap.add_argument("--ab-dispatch-thread", action="store_true",
-                    help="repeat the pipelined cases with the device calls on a dispatcher thread (engine/dispatch.py)")
     ap.add_argument("--keep-torch-workers", action="store_true",
                     help="leave torch.compile's worker processes running during the jphoton rows (the old behaviour)")
     ap.add_argument("--same-process", action="store_true",
@@ -457,7 +423,12 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default=None, help="output file suffix (default: the shape)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join earlier runs' JSON files")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    from benchmarks.common import QUICK
+
+    if QUICK and not args.merge:  # the same rows, one B, fewer tokens and reps
+        args.batch, args.new_tokens, args.reps = (args.batch or [1])[:1], 32, 1
+        args.agree, args.greedy_tokens, args.ctx_prompt = min(args.agree, 1), 8, 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     out = pathlib.Path(args.out)

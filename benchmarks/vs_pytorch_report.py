@@ -7,8 +7,6 @@ import json
 import logging
 import pathlib
 
-import numpy as np
-
 log = logging.getLogger("vs_pytorch")
 
 ROWS = ("hf-static", "hf-batch", "jphoton-blocking", "jphoton-pipelined")
@@ -20,11 +18,6 @@ def matching_lead(a: list[int], b: list[int]) -> int:
     while k < min(len(a), len(b)) and a[k] == b[k]:
         k += 1
     return k
-
-
-def rel_errors(a: np.ndarray, ref: np.ndarray) -> list[float]:
-    """max |a - ref| / max |ref| per row (the agreement check's logits metric)."""
-    return [float(np.max(np.abs(x - r)) / np.max(np.abs(r))) for x, r in zip(a, ref, strict=True)]
 
 
 def kv_bytes(shape_cfg: dict, batch: int, ctx: float, itemsize: int) -> float:

@@ -1,9 +1,150 @@
-"""The benchmark harnesses' own plumbing (the numbers themselves come from GPU runs, benchmarks/RESULTS.md)."""
+"""Every benchmark script's main path on a tiny model on the CPU (the numbers themselves come from GPU runs,
+benchmarks/RESULTS.md), and gpu_suite.sh's sections against the scripts that exist."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+import re
+import subprocess
+
 import ml_dtypes
 import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = "random:smollm2-135m:layers=2:vocab=512"
+
+
+def test_gpu_suite_sections_name_only_scripts_that_exist():
+    suite = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    listed = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "list"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert len(listed) >= 8
+    labels = {name for pattern in re.findall(r"^\s+([\w|-]+)\)", suite, re.M) for name in pattern.split("|")}
+    assert set(listed) <= labels, set(listed) - labels
+    scripts = set(re.findall(r"python3 (benchmarks/[\w/]+\.py)", suite))
+    assert scripts and all((ROOT / s).is_file() for s in scripts), scripts
+    lab = (ROOT / "lab" / "lab_suite.sh").read_text()
+    assert all((ROOT / s).is_file() for s in re.findall(r"python3 (lab/[\w/]+\.py)", lab))
+
+
+def test_throughput(tmp_path):
+    from benchmarks.throughput import main
+
+    rows = main(["--model", TINY, "--batch", "2", "--prompt-len", "16", "--new-tokens", "6", "--depths", "1", "2",
+                 "--bandwidth-gib", "0.01", "--out", str(tmp_path / "t.json")])
+    assert [r["depth"] for r in rows] == [1, 2] and all(r["decode_ms"] > 0 for r in rows)
+    assert json.loads((tmp_path / "t.json").read_text())["rows"]
+
+
+def test_pipeline(tmp_path):
+    from benchmarks.pipeline import main
+
+    rows = main(["--models", TINY, "--streams", "2", "--requests-per-stream", "1", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["tok_s_blocking"] > 0 and row["tok_s_pipelined"] > 0 and row["fwd_plus_sampling_ms"] > 0
+    assert (tmp_path / "pipeline.json").exists() and (tmp_path / "pipeline_timelines.json").exists()
+
+
+def test_host_overhead():
+    from benchmarks.host_overhead import run
+
+    row = run(batch=2, requests_per_stream=2, model=TINY, lengths=(8, 16))
+    assert row["decode_ticks"] > 2 and 0 < row["plan_us"] < 1e6 and 0 < row["commit_us"] < 1e6
+
+
+def test_constrained(tmp_path):
+    pytest.importorskip("llguidance")
+    from benchmarks.constrained import main
+
+    tok = tmp_path / "tok"  # exported from the embedded model on first use
+    rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
+                 "--requests-per-stream", "1", "--max-tokens", "24", "--out", str(tmp_path)])
+    (row,) = rows
+    assert (tok / "tokenizer.json").exists()
+    assert row["requests"] == 2 and row["schema"]["constrained_steps"] > 0 and row["device_schema_ms"] > 0
+
+
+def test_kernel_profile():
+    from benchmarks.kernel_profile import main
+
+    (row,) = main(["--smoke"])
+    assert row["ms_per_step"] > 0 and "kernels" in row
+
+
+def test_attention_decode():
+    from benchmarks.attention_decode import main
+
+    result = main(["--smoke", "--batch", "1", "--ctx", "16"])
+    (row,) = result["rows"]
+    assert row["paths"]["pallas"]["max_abs_err"] < 1e-3 and row["paths"]["static"]["max_abs_err"] < 1e-3
+
+
+def test_moe_layer_and_e2e():
+    from benchmarks.moe_decode import main
+
+    layer = main(["layer", "--smoke", "--batch", "2"])
+    paths = layer["rows"][0]["paths"]
+    assert all(paths[p]["max_rel"] < 1e-2 for p in ("warp_decode", "expert_centric", "dense_gather"))
+    e2e = main(["e2e", "--smoke", "--batch", "2", "--backends", "expert_centric"])
+    assert e2e["rows"][0]["decode_tok_s"] > 0
+
+
+def test_serving():
+    from benchmarks.serving import main
+
+    result = main(["--model", TINY, "--concurrency", "2", "--requests-per-client", "1", "--prompt-len", "16",
+                   "--new-tokens", "6"])
+    assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
+
+
+def _hf_llama_handoff(d: pathlib.Path, agree: int, greedy: int):
+    """A tiny HF Llama (config.json text, HF-named float32 arrays) and a made-up HF reference, as vs_pytorch.py's
+    parent hands them to its jphoton child (the smoke shape: vocab 512, hidden 64, 2 layers, tied)."""
+    from benchmarks.vs_pytorch_handoff import write_handoff
+    from benchmarks.vs_pytorch_hf import SHAPES
+
+    s = SHAPES["smoke"]
+    config = json.dumps({**s, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                         "rope_scaling": s["rope_parameters"], "rope_theta": s["rope_parameters"]["rope_theta"]})
+    rng = np.random.default_rng(0)
+    h, f, v, hd = s["hidden_size"], s["intermediate_size"], s["vocab_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    arrays = {"model.embed_tokens.weight": rng.normal(0, 0.02, (v, h)), "model.norm.weight": np.ones(h)}
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+        arrays.update({p + k + ".weight": rng.normal(0, 0.02, shape) for k, shape in shapes.items()})
+        arrays.update({p + "input_layernorm.weight": np.ones(h), p + "post_attention_layernorm.weight": np.ones(h)})
+    arrays = {k: a.astype(np.float32) for k, a in arrays.items()}
+    ref = {"logits": rng.normal(size=(agree, v)).astype(np.float32), "tokens": rng.integers(0, v, (agree, greedy))}
+    write_handoff(d, config, arrays, ref, 0.0, dtype="float32", weight_bytes=sum(a.nbytes for a in arrays.values()))
+
+
+def test_vs_pytorch_jphoton_side_and_report(tmp_path):
+    """The jphoton child of vs_pytorch.py (no torch needed), then the parent's table and merge of its rows."""
+    from benchmarks.vs_pytorch import main
+    from benchmarks.vs_pytorch_hf import SHAPES
+    from benchmarks.vs_pytorch_report import add_floor, merge, table
+
+    _hf_llama_handoff(tmp_path, agree=2, greedy=4)
+    main(["--smoke", "--rows", "jphoton-blocking", "jphoton-pipelined", "--batch", "1", "2", "--new-tokens", "6",
+          "--agree", "2", "--greedy-tokens", "4", "--ctx-prompt", "8", "--jphoton-child", str(tmp_path)])
+    child = json.loads((tmp_path / "child.json").read_text())
+    rows = child["results"]
+    assert {r["row"] for r in rows} == {"jphoton-blocking", "jphoton-pipelined"} and len(rows) == 6, rows
+    assert all("ms_step" in r for r in rows), rows
+    assert all(r["device_step_ms"] > 0 for r in rows if r["row"] == "jphoton-pipelined")
+    agreement = child["agreement"]
+    assert len(agreement["logprob_abs_err"]) == 2 and len(agreement["greedy_matching_lead"]) == 2
+    for r in rows:
+        add_floor(r, 10**6, SHAPES["smoke"], 1e11, 4)
+    assert table(rows).count("\n") == len(rows) + 1
+    (tmp_path / "vs_pytorch_a.json").write_text(json.dumps({**child, "shape": "smoke", "results": rows}))
+    merge([str(tmp_path / "vs_pytorch_a.json")], tmp_path, "all")
+    assert (tmp_path / "vs_pytorch_all.json").exists()
 
 
 def test_vs_pytorch_handoff_round_trips_arrays_config_and_reference(tmp_path):
@@ -23,32 +164,3 @@ def test_vs_pytorch_handoff_round_trips_arrays_config_and_reference(tmp_path):
     assert got["b.weight"].T.flags.c_contiguous  # the loader's transpose still hands back a contiguous array
     for key in ref:
         np.testing.assert_array_equal(got_ref[key], ref[key])
-
-
-def test_host_overhead_runs_the_real_scheduler_without_a_device():
-    from benchmarks.host_overhead import run
-
-    row = run(batch=4, ticks=40, seed=0)
-    assert row["decode_ticks"] > 10  # full decode steps happened between the replacements' prefills
-    assert 0 < row["plan_us"] < 1e5 and 0 < row["commit_us"] < 1e5
-
-
-def test_sampler_noise_benchmark_times_both_noise_sources():
-    from benchmarks.sampler_noise import run
-
-    (row,) = run([4], vocab=300, reps=2, rounds=1)
-    assert row["hash_us"] > 0 and row["threefry_us"] > 0 and row["hash_over_threefry"] > 0
-
-
-def test_sampler_noise_variants_really_swap_the_noise():
-    """The hash variant is the engine's sampler; the threefry one draws other tokens (one trace per variant)."""
-    import jax.numpy as jnp
-
-    from benchmarks.sampler_noise import NOISE, sampler
-    from jphoton.sampling import sample_plain, seed_key_data
-
-    n = 64
-    args = (jnp.zeros((n, 1000)), jnp.ones(n), jnp.asarray(seed_key_data(np.arange(n))), jnp.arange(n, dtype=jnp.int32))
-    hashed, threefry = (np.asarray(sampler(NOISE[k], args)(*args)) for k in ("hash", "threefry"))
-    np.testing.assert_array_equal(hashed, np.asarray(sample_plain(*args)))
-    assert (hashed != threefry).mean() > 0.9

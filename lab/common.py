@@ -1,0 +1,49 @@
+"""Helpers of the lab scripts that reach into the engine's internals (the runner's jitted step, its slots and layouts)
+as they were when the scripts ran. The product's benchmarks (benchmarks/) use the public API only."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def decode_step_input(runner, shape, context: int = 0) -> jax.Array:
+    """The packed input of a decode-only step (on the device) whose rows each attend over `context` tokens held on
+    pages of their own. `context=0`: every row on the trash page at position 0 (the layout's padding)."""
+    ps = runner.static.page_size
+    views = runner.layout(shape).empty(runner.static.trash_page)
+    if context:
+        pages = -(-context // ps)
+        if pages > runner.static.pages_per_seq:
+            raise ValueError(f"context {context} needs {pages} pages; a row holds {runner.static.pages_per_seq}")
+        real = runner.static.trash_page  # pages 0 .. trash_page - 1 are the pool's own
+        for i in range(shape.decode_rows):
+            views["d_table"][i, :pages] = (i * pages + np.arange(pages)) % real
+        views["d_pos"][:] = context - 1
+    return jax.device_put(views["_buffer"], runner.device)
+
+
+def steps_back_to_back(runner, shape, packed: jax.Array, n: int, then=None) -> float:
+    """Seconds per step of n engine steps of `shape` dispatched back to back on the same packed input (no host work
+    between; then(slot) after each if given), through the runner's own jitted step and slots."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slot = runner.slots[runner._next_slot]
+        slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, runner._prev_tokens,
+                                                           slot.tokens, slot.logits, packed)
+        if then is not None:
+            then(slot)
+        runner._prev_tokens = slot.tokens
+        runner._next_slot ^= 1
+    jax.block_until_ready(runner.kv)
+    return (time.perf_counter() - t0) / n
+
+
+def compiled_text(runner, shape) -> str:
+    """The optimized HLO of the step that `steps_back_to_back` runs (same arguments, so the same executable)."""
+    packed = decode_step_input(runner, shape)
+    slot = runner.slots[runner._next_slot]
+    return runner._step.lower(shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits,
+                              packed).compile().as_text()
