@@ -24,8 +24,7 @@ per kind of layer, indexed by the layer's rank among its kind (forward in models
     dense_mlp:   w_gate, w_up [Ld, D, F]   w_down [Ld, F, D]        (only when some layers are dense)
 
 Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
-writes this step's keys/values into layer `layer` of the cache and attends over it. When the matmul hook made q|k|v
-in one packed array (`matmul.qkv_rope`), it also gets `packed=` that array, for kernels that read it as it is.
+writes this step's keys/values into layer `layer` of the cache and attends over it.
 `dense_attention` below is the reference; the engine's paged attention lives in jphoton/engine/attention.py.
 """
 
@@ -177,7 +176,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         from jphoton.models import qwen3_moe
 
         return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
-    mm = (matmul or PlainMatmul()).for_forward(unroll)
+    mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     stacked = params["layers"]
@@ -197,22 +196,15 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             the GEMM) and the stack + index (what a kernel should read: a slice fed to a custom call is copied)."""
             return mm(v, lp[key], stacked[key], index)
 
-        packed = mm.qkv_rope(cfg, h, stacked, index, positions, inv_freq)
-        if packed is None:
-            q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
-            o, kv = attend(q, k, v, kv, index)
-        else:  # one kernel made q|k|v with RoPE; an attention that reads them packed takes that array as it is
-            Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-            q, k, v = packed[..., :Hq, :], packed[..., Hq:Hq + Hkv, :], packed[..., Hq + Hkv:, :]
-            o, kv = attend(q, k, v, kv, index, packed=packed)
+        q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
+        o, kv = attend(q, k, v, kv, index)
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
                            stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:
-            x, h = mm.mlp(x, h, lp["w_gate_up"], lp["w_down"], stacked["w_gate_up"], stacked["w_down"], index,
-                          norm_after, next_norm, eps)
+            act = mm.glu(h, lp["w_gate_up"], stacked["w_gate_up"], index)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
-            x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
+        x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
         return (x, h, kv), None
 
     if not unroll:
@@ -276,8 +268,7 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) 
 def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
     """Write k/v at `positions` [B, T] (positions >= S are padding and dropped), attend over positions <= the query's."""
 
-    def attend(q, k, v, kv, layer, packed=None):
-        del packed  # q, k, v are views of it
+    def attend(q, k, v, kv, layer):
         ck, cv = kv
         B, S = ck.shape[1:3]
         rows = jnp.arange(B)[:, None]
