@@ -1,43 +1,18 @@
 """Tokenizer (HF `tokenizers`), chat templates (jinja2) and incremental detokenization.
 
-Sources: a HF directory (tokenizer.json + tokenizer_config.json) or GGUF metadata, from which a byte-level BPE is rebuilt
-with its merges, special tokens and pre-tokenizer.
+Sources: a HF directory (tokenizer.json + tokenizer_config.json), or any `tokenizers.Tokenizer` handed to the
+constructor (weights/gguf_file.py rebuilds one from GGUF metadata).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-
-log = logging.getLogger("jphoton.tokenizer")
-
-# Pre-tokenizer regexes of the GGUF `tokenizer.ggml.pre` values we rebuild (as in llama.cpp's llama-vocab.cpp).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-                 r"|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-                r"|\s+(?!\S)|\s+")
-
-
-def _gguf_pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("gpt2", "default", "gpt-2"):
-        return byte_level
-    if pre in ("llama3", "llama-bpe", "llama-v3", "qwen2"):
-        split = _LLAMA3_SPLIT if pre != "qwen2" else _QWEN2_SPLIT
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, llama-bpe, qwen2)")
 
 
 class Tokenizer:
@@ -79,38 +54,6 @@ class Tokenizer:
 
         return cls(tok, bos_token=token_str(conf.get("bos_token")), eos_token=token_str(conf.get("eos_token")),
                    chat_template=template, add_bos=bool(conf.get("add_bos_token", False)))
-
-    @classmethod
-    def from_gguf(cls, reader) -> Tokenizer | None:
-        from jphoton.weights.gguf_file import field
-
-        model = field(reader, "tokenizer.ggml.model")
-        if model is None:
-            return None
-        if model != "gpt2":
-            log.warning("GGUF tokenizer model %r is not rebuilt (only byte-level BPE, 'gpt2', is); "
-                        "the model will take token ids only", model)
-            return None
-        tokens = list(field(reader, "tokenizer.ggml.tokens"))
-        types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _gguf_pre_tokenizer(field(reader, "tokenizer.ggml.pre", "gpt2"))
-        tok.decoder = decoders.ByteLevel()
-        # CONTROL (3) tokens are special; USER_DEFINED (4) are added tokens matched verbatim in text.
-        added = [AddedToken(t, special=(ty == 3), normalized=False)
-                 for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
-        tok.add_tokens(added)
-
-        def tok_str(key):
-            i = field(reader, key)
-            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-        return cls(tok, bos_token=tok_str("tokenizer.ggml.bos_token_id"),
-                   eos_token=tok_str("tokenizer.ggml.eos_token_id"),
-                   chat_template=field(reader, "tokenizer.chat_template"),
-                   add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)))
 
     def save(self, directory: pathlib.Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
         for name, path in trees.items():
             env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases],
-                                  cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases]
+            proc = subprocess.run(cmd, cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)

@@ -12,7 +12,8 @@ straight from the pool, and its loop follows each row's own length:
             `block_tokens`-token blocks, as equal as the row's *own* length allows (the split bounds are computed in the
             kernel from ctx_len, so a short row in a long-context batch still spreads over all splits; splits past the
             row's end exit at once). Each split writes its partial (m, l, acc) in fp32 and a jnp combine merges them
-            (flash-decoding). With one split the kernel normalises and writes the output itself (no combine).
+            (flash-decoding; merging them in the kernel through atomic counters was measured slower,
+            docs/decisions.md). With one split the kernel normalises and writes the output itself (no combine).
   loop      an online softmax over the split's blocks: a `fori_loop` whose bounds come from ctx_len, read from a scalar
             ref. (A data-dependent loop is fine inside a GPU kernel; it is an XLA `while_loop` that syncs the host.)
   gather    a block of `block_tokens` positions reads its page ids from the block table (one small cached load, page id
@@ -60,7 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import Semaphores, arrive_last, log_once
+from pallas_kernels.common import log_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -68,12 +69,6 @@ log = logging.getLogger("jphoton.kernels")
 
 NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
 NUM_SMS = 132  # H100 SXM; only shapes the default split count
-# Most splits merged inside the kernel (the last split loads every partial at once, unrolled); more go to `_combine`.
-MAX_KERNEL_COMBINE = 16
-# Whether the engine asks for the in-kernel merge (passes `semaphores`). Off: inside the 1B step on the H100 the merging
-# kernel took 7.2-7.5 us per layer against 5.4 + 1.35 us for the kernel and XLA's combine, +2.1 / +1.2 / +1.0% per step at
-# B = 2 / 8 / 16 (RESULTS.md, 2026-11-24 22:25).
-ENGINE_MERGES_SPLITS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +125,12 @@ def path_name(interpret: bool | None = None) -> str:
 
 
 def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, HD, P, ps, BC, S, max_tokens,
-            window, scale, pv_dtype, precision, write, k_off=0, v_off=0, combine=False, interpret=False):
-    refs = list(refs)
+            window, scale, pv_dtype, precision, write, k_off=0, v_off=0):
+    out_refs = list(refs)
     if write:  # the current token's key/value (heads k_off + h, v_off + h) in, the pools (aliased to k_ref, v_ref) out
-        kn_ref, vn_ref = refs[:2]
-        k_out_ref, v_out_ref = refs[-2:]
-        refs = refs[2:-2]
-    if combine:  # counters in (aliased to ctr_ref); the merged output and the counters out, after the partials
-        _, *out_refs, o_ref, ctr_ref = refs
-    else:
-        out_refs = refs
+        kn_ref, vn_ref = out_refs[:2]
+        k_out_ref, v_out_ref = out_refs[-2:]
+        out_refs = out_refs[2:-2]
     r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     ctx = len_ref[r]
@@ -212,21 +203,6 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
         plgpu.store(acc_ref.at[r, h, s, pl.ds(0, Gp), pl.ds(0, HD)], acc)
         plgpu.store(m_ref.at[r, h, s, pl.ds(0, Gp)], m)
         plgpu.store(l_ref.at[r, h, s, pl.ds(0, Gp)], l)
-        if combine:
-            def merge():  # the last split of (r, h): `_combine` on its S partials (static loop: loads issued together)
-                parts = [(plgpu.load(m_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp)]),
-                          plgpu.load(l_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp)]),
-                          plgpu.load(acc_ref.at[r, h, jnp.int32(i), pl.ds(0, Gp), pl.ds(0, HD)])) for i in range(S)]
-                m_all = functools.reduce(jnp.maximum, [p[0] for p in parts])
-                l_all, acc_all = jnp.zeros_like(m_all), jnp.zeros((Gp, HD), jnp.float32)
-                for m_i, l_i, acc_i in parts:  # empty splits: m = NEG, l = 0, acc = 0 -> they add nothing
-                    w = jnp.exp(m_i - m_all)
-                    l_all, acc_all = l_all + l_i * w, acc_all + acc_i * w[:, None]
-                out = acc_all / jnp.maximum(l_all, 1e-30)[:, None]
-                plgpu.store(o_ref.at[r, pl.ds(h * G, Gp), pl.ds(0, HD)], out.astype(o_ref.dtype),
-                            mask=gmask[:, None] & dmask[None, :])
-
-            arrive_last(ctr_ref, r * pl.num_programs(1) + h, S, merge, interpret=interpret)
 
 
 def _combine(acc, m, l, G: int, hd: int, out_dtype) -> jax.Array:
@@ -284,8 +260,7 @@ def _layer_array(layer) -> jax.Array:
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                            ctx_len: jax.Array, *, page_size: int, max_pages: int | None = None,
                            sliding_window: int | None = None, new_kv: tuple[jax.Array, jax.Array] | None = None,
-                           config: PagedDecodeConfig | None = None, semaphores: Semaphores | None = None,
-                           interpret: bool | None = None):
+                           config: PagedDecodeConfig | None = None, interpret: bool | None = None):
     """Decode attention of one query token per row over the paged KV cache.
 
     q [R, Hq, hd]: row r's query at position ctx_len[r] - 1; it sees the keys at positions < ctx_len[r] (and
@@ -326,8 +301,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     S, BC = cfg.splits, cfg.block_tokens
     Gp, HD = max(16, _pow2(G)), max(16, _pow2(hd))
     interp = _use_interpret(interpret)
-    combine = semaphores is not None and 1 < S <= MAX_KERNEL_COMBINE
-    what = f"R={R} splits={S}" + (", merged in the kernel" if combine else "")
+    what = f"R={R} splits={S}"
     if write:
         what += ", current token's KV written in the kernel" + (" (packed q|k|v)" if packed else "")
     _log_path(interp, what)
@@ -336,7 +310,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         _kernel, G=G, Gp=Gp, hd=hd, HD=HD, P=P, ps=page_size, BC=BC, S=S, max_tokens=max_tokens,
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None, write=write, k_off=Hq if packed else 0,
-        v_off=Hq + Hkv if packed else 0, combine=combine, interpret=interp)
+        v_off=Hq + Hkv if packed else 0)
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype)]
     else:
@@ -347,11 +321,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     if write:
         args += [qkv, qkv] if packed else [k_new, v_new]
     aliases = {}
-    if combine:  # the counters: input -> output, left zero
-        ctr = semaphores.take(R * Hkv)
-        aliases[len(args)] = len(out_shape) + 1
-        args.append(ctr)
-        out_shape += [jax.ShapeDtypeStruct((R, Hq, hd), q.dtype), jax.ShapeDtypeStruct(ctr.shape, jnp.int32)]
     if write:  # inputs 4, 5 (the pools) are the last two outputs, updated in place
         aliases.update({4: len(out_shape), 5: len(out_shape) + 1})
         out_shape += [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
@@ -364,15 +333,11 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
             input_output_aliases=aliases,
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}{'_C' if combine else ''}",
+            name=f"paged_decode_attention_G{Gp}_HD{HD}_BC{BC}_S{S}{'_W' if write else ''}",
         )(*args)
     if write:
         *out, k_pool, v_pool = out
-    if combine:
-        *_, result, ctr = out
-        semaphores.give(ctr)
-    else:
-        result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)
+    result = out[0] if S == 1 else _combine(*out, G, hd, q.dtype)
     return (result, (k_pool, v_pool)) if write else result
 
 

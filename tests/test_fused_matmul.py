@@ -1,6 +1,5 @@
 """The serving layout (fused QKV and gate+up, models/llama.py `fuse_params`) and the matmul hooks (models/matmul.py:
-"xla", the Pallas GEMV, the GEMV epilogues with the add + RMSNorm kernel; interpret mode on the CPU) give the same
-model."""
+"xla", the GEMV epilogues with the add + RMSNorm kernel; interpret mode on the CPU) give the same model."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.config import ModelConfig
 from jphoton.models import llama
-from jphoton.models.matmul import PallasMatmul, XlaMatmul, make, resolve
+from jphoton.models.matmul import XlaMatmul, make, resolve
 from jphoton.weights.random_init import random_params
 
 from conftest import FIXTURES, make_llm, tiny_reference
@@ -43,7 +42,7 @@ def _hidden(params, cfg, tokens, matmul=None, unroll=False):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
+def test_fused_params_and_matmul_hooks_match_the_unfused_xla_forward(tie):
     cfg = CFG.replace(tie_embeddings=tie)
     params = _random(cfg)
     tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
@@ -55,9 +54,7 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
     assert fused["layers"]["wqkv"].shape == (2, 48, cfg.q_size + 2 * cfg.kv_size)
     assert isinstance(fused["layers"]["wqkv"], np.ndarray) and "wq" in host["layers"]  # consume=False keeps the input
     fused = jax.tree_util.tree_map(jnp.asarray, fused)
-    # max_weight_elements=3000 sends O (48x48) through the GEMV and the larger matrices through XLA
-    for matmul in (None, PallasMatmul(interpret=True), PallasMatmul(interpret=True, max_weight_elements=3000),
-                   XlaMatmul(glu_gemv=True, interpret=True)):
+    for matmul in (None, XlaMatmul(), XlaMatmul(glu_gemv=True, interpret=True)):
         for p in (params, fused):
             h, logits = _hidden(p, cfg, tokens, matmul, unroll=matmul is not None)
             np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
@@ -69,25 +66,6 @@ def test_fused_params_and_pallas_matmul_match_the_unfused_xla_forward(tie):
         ref_h2, ref_logits2 = (ref_h, ref_logits) if c.o_bias else _hidden(_drop(params, "bo"), c, tokens)
         np.testing.assert_allclose(h, ref_h2, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(logits, ref_logits2, rtol=1e-4, atol=1e-4)
-
-    # the whole MLP in one kernel (the mlp() step; the unfused params keep the glu + residual path): in the unrolled
-    # loop it shares the trace's counters, in the scanned one it takes zeros per call
-    mm = XlaMatmul(mlp_kernel=True, interpret=True)
-    for unroll in (True, False):
-        h, logits = _hidden(fused, cfg, tokens, mm, unroll=unroll)
-        np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
-
-    # "finish": QKV + RoPE and the residual adds + norms in the GEMVs' last programs (a power-of-two head_dim)
-    c16 = cfg.replace(head_dim=16)
-    p16 = _random(c16)
-    ref16 = _hidden(p16, c16, tokens)
-    mm = make("finish", interpret=True)
-    for c, p, ref in ((c16, p16, ref16), (c16.replace(o_bias=False), _drop(p16, "bo"), None)):
-        ref = ref or _hidden(p, c, tokens)
-        for got, want in zip(_hidden(jax.tree_util.tree_map(jnp.asarray, llama.fuse_params(c, p)), c, tokens, mm,
-                                     unroll=True), ref, strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict
@@ -112,7 +90,7 @@ def test_resolve_rejects_unknown_kinds():
         resolve("cublas")
 
 
-def test_engine_greedy_tokens_with_pallas_matmul_match_xla_and_hf():
+def test_engine_greedy_tokens_with_gemv_matmuls_match_xla_and_hf():
     """A tiny HF checkpoint (Qwen2: QKV biases) through the engine, fused layout, decode steps through the GEMV and
     the add + RMSNorm kernel (interpret mode), prefill steps above the row threshold through XLA."""
     ref = tiny_reference("qwen2")
@@ -121,11 +99,11 @@ def test_engine_greedy_tokens_with_pallas_matmul_match_xla_and_hf():
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
     tokens = {}
     # "fused" below 17 rows + the residual kernel from one row: every GEMV epilogue and the add + RMSNorm kernel
-    for kind in ("xla", "pallas", "fused", XlaMatmul(glu_gemv=True, residual_gemv=True), "finish"):
-        llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False, unroll_layers=kind == "finish")
+    for kind in ("xla", "fused", XlaMatmul(glu_gemv=True, residual_gemv=True)):
+        llm = make_llm(str(FIXTURES / "tiny" / "qwen2"), matmul=kind, warmup=False)
         assert "wqkv" in llm.model.params["layers"]
         # one-row decode steps run as two rows (one padding row per step instead of a pad inside every matmul)
         assert llm.engine.scheduler.config.decode_buckets == (2, 8)
         tokens[str(kind)] = [o.token_ids for o in llm.generate(prompts, greedy)]
     want = [t.tolist() for _, t, _ in ref]
-    assert all(t == want for t in tokens.values()) and len(tokens) == 5
+    assert all(t == want for t in tokens.values()) and len(tokens) == 3

@@ -231,7 +231,6 @@ def test_warp_decode_is_closer_to_float32_than_bf16_expert_centric(record_proper
         "warp_decode_bf16_out": rms(moe_warp_decode(x, ids, w, wg, wu, wd, 0)),
         "warp_decode_f32_out": rms(moe_warp_decode(x, ids, w, wg, wu, wd, 0, out_dtype=jnp.float32)),
         "expert_centric_bf16": rms(moe.expert_centric(x, ids, w, wg, wu, wd, 0)),
-        "dense_gather_bf16": rms(moe.dense_gather(x, ids, w, wg, wu, wd, 0)),
     }
     print("relative RMS error vs float32:", json.dumps(errors))
     record_property("moe_bf16_errors", json.dumps(errors))

@@ -109,35 +109,6 @@ def test_kernel_writes_the_current_token_and_attends_to_it(name, packed):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name", ["g4_bf16_s3", "g4_f32_window"])
-def test_splits_merged_in_the_kernel_match_the_combine_pass(name):
-    """With semaphores the last split of each (row, KV head) merges the partials itself (common.arrive_last): same
-    output as the jnp combine to float rounding, the pools written as before, and the counters handed back zero."""
-    from pallas_kernels.common import Semaphores
-
-    Hq, Hkv, hd, ps, P, dtype, cfg, window = CASES[name]
-    lengths = [0, 1, ps, 2 * ps + 1, P * ps, 5]
-    q, k, v, table, ctx = make_inputs(23 + len(name), R=len(lengths), Hq=Hq, Hkv=Hkv, hd=hd, page_size=ps, P=P,
-                                      dtype=dtype, lengths=lengths)
-    kv_new = jnp.asarray(np.random.default_rng().standard_normal((len(lengths), 2 * Hkv, hd)), dtype)
-
-    def run(q, k, v, t, c, kvn, merged):
-        sems = Semaphores() if merged else None
-        out, pools = paged_decode_attention(jnp.concatenate([q, kvn], axis=1), k, v, jnp.int32(1), t, c,
-                                            page_size=ps, sliding_window=window, new_kv="packed", config=cfg,
-                                            semaphores=sems, interpret=True)
-        return out, pools, (sems.take(1) if merged else jnp.zeros(1, jnp.int32))
-
-    base, base_pools, _ = jax.jit(lambda *a: run(*a, False))(q, k, v, table, ctx, kv_new)
-    out, pools, counters = jax.jit(lambda *a: run(*a, True))(q, k, v, table, ctx, kv_new)
-    assert not np.asarray(counters).any(), "every kernel leaves its counters zero"
-    for a, b in zip(pools, base_pools, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(base.astype(jnp.float32)), atol=tol,
-                               rtol=tol)
-
-
 def test_max_pages_bounds_the_keys_looked_at():
     q, k, v, table, ctx = make_inputs(3, R=2, Hq=4, Hkv=2, hd=16, page_size=4, P=6, dtype=jnp.float32,
                                       lengths=[24, 9])
@@ -171,12 +142,6 @@ def test_kernel_lowers_to_triton(splits):
                                                    config=PagedDecodeConfig(splits=splits), interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    if splits > 1:  # splits merged in the kernel through its counters
-        from pallas_kernels.common import Semaphores
-
-        fn = jax.jit(lambda *a: paged_decode_attention(*a, page_size=16, config=PagedDecodeConfig(splits=splits),
-                                                       semaphores=Semaphores(), interpret=False))
-        assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     new = jax.ShapeDtypeStruct((4, 8, 64), dt)
     fn = jax.jit(lambda *a: paged_decode_attention(*a[:6], page_size=16, new_kv=a[6:],
                                                    config=PagedDecodeConfig(splits=splits), interpret=False))
@@ -215,12 +180,12 @@ def test_bad_inputs_raise():
         PagedDecodeConfig(block_tokens=24)
 
 
-@pytest.mark.parametrize("matmul", [None, "finish"])
+@pytest.mark.parametrize("matmul", [None, "fused"])
 @pytest.mark.parametrize("family", ["mistral"])  # GQA 2, sliding window 16 (crossed by the prompts below)
 def test_engine_pallas_decode_matches_default_path(family, matmul):
     """attention="pallas" end to end on the CPU (interpret mode): decode rows through the kernel, decode-only steps
-    without a context bucket; greedy tokens equal the default (dynamic) path's. matmul "finish": q|k|v with RoPE from
-    the QKV GEMV's last programs go to the kernel packed as they are (unrolled layers)."""
+    without a context bucket; greedy tokens equal the default (dynamic) path's. matmul "fused" (the GPU default, its
+    GEMVs in interpret mode) with unrolled layers: the kernel beside the matmul kernels, layer index a Python int."""
     from conftest import tiny_reference
 
     ref = tiny_reference(family)

@@ -126,16 +126,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if static.pallas_decode:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    # Counters for the attention kernel's in-kernel split merge (off by default: measured slower, see the flag), one
-    # zeroed array per traced step (common.Semaphores)
-    sems = None
-    if kernel_writes:
-        from pallas_kernels import paged_decode_attention as pda
-        from pallas_kernels.common import Semaphores
-
-        sems = Semaphores() if pda.ENGINE_MERGES_SPLITS else None
-
-    def attend(q, k, v, kv, layer, packed=None):
+    def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
         first = Bd if kernel_writes else 0  # tokens from here on have their KV written by a scatter
         if shape.tokens > first:
@@ -145,14 +136,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         if kernel_writes:
             # q, k, v of the decode rows as one array the kernel reads by head offset: XLA builds it in one fusion
             # with the model's RoPE, where three separate operands would each be copied out by a kernel of their own
-            # (or the matmul hook's QKV kernel already made it: `packed`)
-            if packed is not None:
-                qkv = packed if shape.tokens == Bd else packed[:Bd]
-            else:
-                qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
+            qkv = jnp.concatenate([q[:Bd], k[:Bd].astype(q.dtype), v[:Bd].astype(q.dtype)], axis=1)
             out, (k_pool, v_pool) = paged_decode_attention(
                 qkv, k_pool, v_pool, layer, f["d_table"], d_pos + 1, page_size=ps,
-                sliding_window=static.sliding_window, new_kv="packed", semaphores=sems)
+                sliding_window=static.sliding_window, new_kv="packed")
             parts.append(out)
         elif Bd:
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])

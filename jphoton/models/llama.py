@@ -24,8 +24,7 @@ per kind of layer, indexed by the layer's rank among its kind (forward in models
     dense_mlp:   w_gate, w_up [Ld, D, F]   w_down [Ld, F, D]        (only when some layers are dense)
 
 Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
-writes this step's keys/values into layer `layer` of the cache and attends over it. When the matmul hook made q|k|v
-in one packed array (`matmul.qkv_rope`), it also gets `packed=` that array, for kernels that read it as it is.
+writes this step's keys/values into layer `layer` of the cache and attends over it (models/decoder.py).
 `dense_attention` below is the reference; the engine's paged attention lives in jphoton/engine/attention.py.
 """
 
@@ -39,11 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
-from jphoton.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, silu_mul
+from jphoton.models import qwen3_moe
+from jphoton.models.decoder import Attend, Params, attention_projections
+from jphoton.models.layers import rms_norm, rope_inv_freq, silu_mul
 from jphoton.models.matmul import PlainMatmul
-
-Params = dict[str, Any]
-Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -122,36 +120,6 @@ def fuse_params(cfg: ModelConfig, params: Params, *, consume: bool = False) -> P
     return {**params, "layers": layers}
 
 
-def _split_last(x: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
-    bounds = np.cumsum(sizes)[:-1].tolist()
-    return jnp.split(x, bounds, axis=-1)
-
-
-def _attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-                           proj: Callable[[jax.Array, str], jax.Array] | None = None):
-    """q, k, v with RoPE (and qk-norm) applied. proj(h, key) is the weight matmul (default h @ lp[key])."""
-    lead = h.shape[:-1]
-    if proj is None:
-        def proj(h, key):
-            return dense(h, lp[key])
-    if "wqkv" in lp:
-        qkv = proj(h, "wqkv")
-        if cfg.qkv_bias:
-            qkv = qkv + lp["bqkv"]
-        q, k, v = _split_last(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size))
-    else:
-        q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
-        if cfg.qkv_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
 def layer_groups(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Which decoder layers each stacked group of `param_shapes` holds, in stack order."""
     groups = {"layers": tuple(range(cfg.num_layers))}
@@ -174,10 +142,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     weight matmuls, given the stacked weight and the layer index, and the residual adds and RMSNorms after them; MoE
     configs ignore it. Params may be in the serving layout (`fuse_params`) or not."""
     if cfg.num_experts:
-        from jphoton.models import qwen3_moe
-
         return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
-    mm = (matmul or PlainMatmul()).for_forward(unroll)
+    mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     stacked = params["layers"]
@@ -197,22 +163,15 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             the GEMM) and the stack + index (what a kernel should read: a slice fed to a custom call is copied)."""
             return mm(v, lp[key], stacked[key], index)
 
-        packed = mm.qkv_rope(cfg, h, stacked, index, positions, inv_freq)
-        if packed is None:
-            q, k, v = _attention_projections(cfg, lp, h, positions, inv_freq, proj)
-            o, kv = attend(q, k, v, kv, index)
-        else:  # one kernel made q|k|v with RoPE; an attention that reads them packed takes that array as it is
-            Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-            q, k, v = packed[..., :Hq, :], packed[..., Hq:Hq + Hkv, :], packed[..., Hq + Hkv:, :]
-            o, kv = attend(q, k, v, kv, index, packed=packed)
+        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj)
+        o, kv = attend(q, k, v, kv, index)
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
                            stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:
-            x, h = mm.mlp(x, h, lp["w_gate_up"], lp["w_down"], stacked["w_gate_up"], stacked["w_down"], index,
-                          norm_after, next_norm, eps)
+            act = mm.glu(h, lp["w_gate_up"], stacked["w_gate_up"], index)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
-            x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
+        x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
         return (x, h, kv), None
 
     if not unroll:
@@ -276,8 +235,7 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) 
 def dense_attention(cfg: ModelConfig, positions: jax.Array) -> Attend:
     """Write k/v at `positions` [B, T] (positions >= S are padding and dropped), attend over positions <= the query's."""
 
-    def attend(q, k, v, kv, layer, packed=None):
-        del packed  # q, k, v are views of it
+    def attend(q, k, v, kv, layer):
         ck, cv = kv
         B, S = ck.shape[1:3]
         rows = jnp.arange(B)[:, None]

@@ -1,26 +1,16 @@
 """How the dense layers' weight matmuls run, chosen once when the model is built (models/protocol.py llama_family,
 `LLM(matmul=...)`). The model calls a hook for: a product (`__call__`), gate+up with SwiGLU (`glu`), a sublayer's
-output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), the whole dense MLP
-(`mlp`: by default `glu` then `residual`), and the LM head (`head`). Kinds:
+output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the LM head
+(`head`). Kinds:
 
   "xla-plain"  XLA dots as written (`PlainMatmul`), the CPU default.
   "xla"        XLA dots, a one-token step computed as two rows (`XlaMatmul`).
-  "pallas"     the decode GEMV (pallas_kernels/gemv.py) for the small matrices (QKV, O) of steps of <= 32 tokens,
-               XLA otherwise (`PallasMatmul`).
   "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue,
                and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
                into the residual and normalises (pallas_kernels/add_rms_norm.py): from attention to the next QKV, 7
                kernels instead of 8 per layer, or 5 from 17 tokens on
                (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
                faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:54-21:31).
-  "finish"     "fused", and for steps of <= 16 tokens in an unrolled layer loop the QKV projection + RoPE and the O /
-               down projections + residual add + RMSNorm run as split-K GEMVs that their last program finishes
-               (pallas_kernels/gemv_split_finish.py): 5 kernels per layer instead of 10. Correct on the GPU, but SLOWER:
-               the 1B step 1.340 / 1.438 / 1.580 ms against "fused" 1.169 / 1.232 / 1.304 at 2 / 8 / 16 rows on the
-               H100 (RESULTS.md, 2026-11-24 22:25): each in-kernel finish (barrier, acq-rel atomic, reloading the
-               partials) costs ~3.7 us, ~6 us with the residual's second level, more than the kernels it replaces.
-               Each part alone loses too (QKV +3-5%, the residual +11-17%, same run, 22:55). Kept as an option to
-               tune, not used by "auto".
 
 Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
 hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
@@ -36,16 +26,12 @@ make XLA materialise the slice, a copy of every weight, doubling the step's HBM 
 
 Measured and dropped (RESULTS.md, 2026-11-23): the GEMV running RMSNorm or SwiGLU on its input inside the K loop
 (the QKV GEMV 6.7 -> 10.9 us, down 13 -> 28 us), and RMSNorm's row scale applied after an XLA dot (+0.7% / -1.3%).
-The whole MLP in one kernel (pallas_kernels/mlp_decode.py, `XlaMatmul(mlp_kernel=True)`, no kind uses it): gate+up,
-a grid barrier, then down in one launch, or each program's columns straight into its rows of down; both 3-4% slower
-per 1B step at B = 2 than the SwiGLU GEMV followed by XLA's down GEMM (RESULTS.md, 2026-11-25 00:22-00:36).
-"xla" beat "pallas" on the whole 1B step (1.304 / 1.616 against 1.336 / 1.722 ms at B = 1 / 32): the GEMV wins its
-matrices alone (QKV 1.85x) but XLA fused the norms and adds around its dots, which the custom call cannot.
+Measured slower and removed (docs/decisions.md): the GEMV for the small matrices (kind "pallas"), split-K GEMVs
+finished by their last program (kind "finish"), and the whole MLP in one kernel.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
@@ -53,26 +39,19 @@ import jax
 import jax.numpy as jnp
 
 from jphoton.models.layers import dense, rms_norm, silu_mul
-from pallas_kernels.common import Semaphores, log_once
 
 log = logging.getLogger("jphoton")
 
-KINDS = ("auto", "xla", "xla-plain", "pallas", "fused", "finish")
+KINDS = ("auto", "xla", "xla-plain", "fused")
 # "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
 GPU_DEFAULT = "fused"
-# Most tokens in a step for which "pallas" and "fused" use the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
+# Most tokens in a step for which "fused" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
-# Largest weight (K*N elements) that "pallas" puts through the GEMV. Measured on the H100 (Llama-3.2-1B, RESULTS.md):
-# the GEMV beats XLA 1.5-1.9x on the QKV (6.3M) and O (4.2M) matrices, which XLA handles worst (the strength-reduction
-# range below 10M, see above), and only ties it on gate+up (33.5M), down (16.8M) and the LM head (263M).
-PALLAS_MAX_WEIGHT_ELEMENTS = 10_000_000
 # Fewest tokens in a step for which "fused" runs O and down through the add + RMSNorm kernel. Same H100 run, 1B step
 # (RESULTS.md, 2026-11-23 20:54-21:31): the kernel path against XLA's sum, add and norm kernels, both with the SwiGLU GEMV,
 # +1.1 / +0.6 / +0.5% per step at 2 / 8 / 16 rows and -2.1% at 32 (the kernel costs 2.3-3.2 us per call whatever the
 # row count, ~1 us more than expected; XLA's kernels grow with the rows).
 FUSED_RESIDUAL_MIN_ROWS = 17
-# Most tokens in a step whose QKV and O / down GEMVs finish their consumers in the kernel (gemv_split_finish.py).
-SPLIT_FINISH_MAX_ROWS = 16
 
 
 def resolve(kind: str) -> str:
@@ -136,27 +115,8 @@ class PlainMatmul:
         h = h + (out if bias is None else out + bias)
         return h, rms_norm(h, norm, eps)
 
-    def mlp(self, h: jax.Array, x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, stacked_gate_up: jax.Array,
-            stacked_down: jax.Array, layer, norm: jax.Array, norm_stack: jax.Array, eps: float
-            ) -> tuple[jax.Array, jax.Array]:
-        """The dense SwiGLU MLP of the normed rows x ([gate | up] [D, 2F], down [F, D]), then the residual add and the
-        next RMSNorm: (h', RMSNorm(h') * norm), as `residual` returns them."""
-        act = self.glu(x, w_gate_up, stacked_gate_up, layer)
-        return self.residual(h, act, w_down, stacked_down, layer, norm, norm_stack, eps)
-
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
-
-    def for_forward(self, unrolled: bool) -> PlainMatmul:
-        """The hook one forward trace uses (models/llama.py `forward`): kernels that share per-step state (counters)
-        get a fresh copy here; plain hooks are stateless."""
-        return self
-
-    def qkv_rope(self, cfg, h: jax.Array, stacked: dict, layer, positions: jax.Array,
-                 inv_freq: jax.Array) -> jax.Array | None:
-        """q|k|v heads with RoPE applied, packed [..., Hq + 2 Hkv, hd], from one kernel; or None: the model then runs
-        the projection, RoPE and the split itself."""
-        return None
 
 
 class XlaMatmul(PlainMatmul):
@@ -173,24 +133,14 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 split_finish: tuple[str, ...] = (), mlp_kernel: bool = False, interpret: bool | None = None):
-        if not set(split_finish) <= {"qkv", "residual"}:
-            raise ValueError(f"split_finish takes 'qkv' and/or 'residual', got {split_finish!r}")
+                 interpret: bool | None = None):
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
-        self.split_finish = tuple(split_finish)
-        self.mlp_kernel = mlp_kernel
         self.interpret = interpret
-        self._sems = None  # a Semaphores in the copy `for_forward` hands to one unrolled forward trace
         gemvs = [what for what, on in (
-            ("the whole SwiGLU MLP in one kernel (pallas_kernels/mlp_decode.py)", mlp_kernel),
             ("gate+up with SwiGLU", glu_gemv),
-            (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv),
-            (f"QKV + RoPE finished by the GEMV's last program (<= {SPLIT_FINISH_MAX_ROWS} tokens, unrolled layers)",
-             "qkv" in split_finish),
-            (f"O / down + residual + RMSNorm finished by the GEMV's last program (<= {SPLIT_FINISH_MAX_ROWS} tokens, "
-             f"unrolled layers)", "residual" in split_finish)) if on]
+            (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
@@ -199,59 +149,12 @@ class XlaMatmul(PlainMatmul):
         was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
         return two_row_dot(x, w)
 
-    def for_forward(self, unrolled: bool) -> PlainMatmul:
-        """With split_finish or mlp_kernel and an unrolled layer loop, a copy holding this trace's counters (one
-        zeroed array per step, threaded through every kernel). A scanned loop would carry them through the scan; not
-        done: the split finishes are then off (logged once), the MLP kernel takes zeros per call (a memset each)."""
-        if not (self.split_finish or self.mlp_kernel):
-            return self
-        if not unrolled:
-            if self.split_finish:
-                log_once(log, ("split_finish", "scan"), "split-finish GEMVs need the unrolled layer loop: a scanned "
-                         "forward runs without them")
-            return self
-        bound = copy.copy(self)
-        bound._sems = Semaphores()
-        return bound
-
-    def _finishing(self, what: str, rows: int) -> bool:
-        return self._sems is not None and what in self.split_finish and rows <= SPLIT_FINISH_MAX_ROWS
-
-    def qkv_rope(self, cfg, h, stacked, layer, positions, inv_freq):
-        hd = cfg.head_dim
-        if "wqkv" not in stacked or cfg.qk_norm or hd < 16 or hd & (hd - 1) or not self._finishing("qkv", _rows(h)):
-            return None  # the kernel's column blocks hold whole heads of a power-of-two size; no qk-norm in it
-        from pallas_kernels.gemv_split_finish import qkv_rope
-
-        out = qkv_rope(h.reshape(-1, h.shape[-1]), stacked["wqkv"], layer, positions.reshape(-1), inv_freq,
-                       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       bias=stacked.get("bqkv"), semaphores=self._sems, interpret=self.interpret)
-        return out.reshape(*h.shape[:-1], *out.shape[1:])
-
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
             return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
         return super().glu(x, w, stacked, layer)
 
-    def mlp(self, h, x, w_gate_up, w_down, stacked_gate_up, stacked_down, layer, norm, norm_stack, eps):
-        if not (self.mlp_kernel and _rows(x) <= PALLAS_MAX_ROWS):
-            return super().mlp(h, x, w_gate_up, w_down, stacked_gate_up, stacked_down, layer, norm, norm_stack, eps)
-        from pallas_kernels.mlp_decode import swiglu_mlp_partials
-
-        # the kernel's down-projection partials summed in fp32 and rounded once (as a dot's output would be); XLA
-        # fuses that sum into the residual add
-        parts = swiglu_mlp_partials(x.reshape(-1, x.shape[-1]), stacked_gate_up, stacked_down, layer,
-                                    semaphores=self._sems, interpret=self.interpret)
-        h = h + jnp.sum(parts, axis=0).astype(h.dtype).reshape(h.shape)
-        return h, rms_norm(h, norm, eps)
-
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
-        if bias is None and self._finishing("residual", _rows(y)):
-            from pallas_kernels.gemv_split_finish import residual_norm
-
-            h2, normed = residual_norm(h.reshape(-1, h.shape[-1]), y.reshape(-1, y.shape[-1]), stacked, layer,
-                                       norm_stack, eps=eps, semaphores=self._sems, interpret=self.interpret)
-            return h2.reshape(h.shape), normed.reshape(h.shape)
         if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
             from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
@@ -263,37 +166,6 @@ class XlaMatmul(PlainMatmul):
         return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
 
 
-class PallasMatmul(PlainMatmul):
-    """Decode-sized steps through the Pallas GEMV for matrices of at most `max_weight_elements`, XLA two-row dots
-    otherwise. interpret: None = interpret mode off GPU."""
-
-    min_rows = 2
-
-    def __init__(self, max_rows: int = PALLAS_MAX_ROWS, max_weight_elements: int = PALLAS_MAX_WEIGHT_ELEMENTS,
-                 interpret: bool | None = None):
-        from pallas_kernels import gemv
-
-        self.max_rows = min(max_rows, gemv.MAX_ROWS)
-        self.max_weight_elements = max_weight_elements
-        self.interpret = interpret
-        log.info("dense matmuls: %s for steps of <= %d tokens and weights of <= %d elements, XLA (one-token steps as "
-                 "two rows) otherwise", gemv.path_name(interpret), self.max_rows, max_weight_elements)
-
-    def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
-        """x [..., K] @ w [K, N], this layer's matrix; the GEMV reads it from `stacked` [L, K, N] at `layer`."""
-        if _rows(x) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
-            return two_row_dot(x, w)
-        return _gemv_rows(x, stacked, layer, interpret=self.interpret)
-
-    def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-        """float32 logits hidden [R, D] @ w ([D, V], or [V, D] with `transposed`: a tied embedding)."""
-        from pallas_kernels.gemv import gemv
-
-        if _rows(hidden) > self.max_rows or w.shape[0] * w.shape[1] > self.max_weight_elements:
-            return xla_head(hidden, w, transposed)
-        return gemv(hidden, w, transposed=transposed, out_dtype=jnp.float32, interpret=self.interpret)
-
-
 def make(kind, interpret: bool | None = None) -> PlainMatmul:
     """The hook for a kind (module docstring); a hook object passes through (benchmarks build variants)."""
     if not isinstance(kind, str):
@@ -302,8 +174,5 @@ def make(kind, interpret: bool | None = None) -> PlainMatmul:
     if kind == "xla-plain":
         log.info("dense matmuls: XLA (plain)")
         return PlainMatmul()
-    if kind == "pallas":
-        return PallasMatmul(interpret=interpret)
-    fused = kind in ("fused", "finish")
-    return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                     split_finish=("qkv", "residual") if kind == "finish" else (), interpret=interpret)
+    fused = kind == "fused"
+    return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS, interpret=interpret)

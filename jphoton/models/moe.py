@@ -4,8 +4,6 @@ Backends (all take the same stacked expert weights, so switching costs nothing):
   warp_decode     the output-centric Pallas kernels (pallas_kernels/moe_warp_decode.py): decode-sized steps.
   expert_centric  plain JAX: sort (token, expert) pairs by expert, grouped GEMM with `jax.lax.ragged_dot_general`, bf16
                   intermediates (in a bf16 model), weighted combine in fp32: prefill and large batches.
-  dense_gather    plain JAX: gather each token's k expert matrices (`w[ids]`) and einsum, fp32 accumulation; a
-                  benchmark baseline (it materialises T*K weight matrices), not an engine backend.
 "auto" picks warp_decode when the step has at most WARP_DECODE_MAX_TOKENS tokens (a static shape, so the choice is
 made once per compiled bucket), expert_centric above.
 
@@ -78,23 +76,13 @@ def expert_centric(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Arr
     return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def dense_gather(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
-    """Gather the k expert matrices of every token and einsum (fp32 accumulation, x.dtype intermediates)."""
-    w_gate, w_up, w_down = _layer(w_gate, layer), _layer(w_up, layer), _layer(w_down, layer)
-    g = jnp.einsum("nd,nkfd->nkf", x, w_gate[ids], preferred_element_type=jnp.float32)
-    u = jnp.einsum("nd,nkfd->nkf", x, w_up[ids], preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(x.dtype)
-    y = jnp.einsum("nkf,nkdf->nkd", h, w_down[ids], preferred_element_type=jnp.float32)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
-
-
 def warp_decode(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
     from pallas_kernels.moe_warp_decode import moe_warp_decode
 
     return moe_warp_decode(x, ids, weights, w_gate, w_up, w_down, layer)
 
 
-_EXPERTS = {"warp_decode": warp_decode, "expert_centric": expert_centric, "dense_gather": dense_gather}
+_EXPERTS = {"warp_decode": warp_decode, "expert_centric": expert_centric}
 
 
 def moe_ffn(x: jax.Array, mp: dict, layer, top_k: int, norm_topk_prob: bool, backend: str) -> jax.Array:
@@ -103,6 +91,6 @@ def moe_ffn(x: jax.Array, mp: dict, layer, top_k: int, norm_topk_prob: bool, bac
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ids, weights = route(xf, mp["router"][layer], top_k, norm_topk_prob)
-    name = resolve_backend(backend, xf.shape[0]) if backend in MOE_BACKENDS else backend
-    y = _EXPERTS[name](xf, ids, weights, mp["w_gate"], mp["w_up"], mp["w_down"], layer)
+    experts = _EXPERTS[resolve_backend(backend, xf.shape[0])]
+    y = experts(xf, ids, weights, mp["w_gate"], mp["w_up"], mp["w_down"], layer)
     return y.reshape(*lead, x.shape[-1])

@@ -42,7 +42,7 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
                  moe_backend: str = "auto", matmul: str = "auto", fuse: bool = False) -> JaxModel:
     """The built-in families (dense Llama-likes and Qwen3-MoE); `moe_backend` picks how MoE layers run (models/moe.py).
 
-    matmul: how the dense layers' weight matmuls and the LM head run, "xla", "xla-plain", "pallas" or "auto"
+    matmul: how the dense layers' weight matmuls and the LM head run, "xla", "xla-plain", "fused" or "auto"
     (models/matmul.py).
     fuse: put the params in the serving layout (`llama.fuse_params`: one QKV and one gate+up matrix per layer). It
     takes the unfused matrices out of `params["layers"]` as it builds the fused ones (device memory peaks at the

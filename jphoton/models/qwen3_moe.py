@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jphoton.config import ModelConfig
 from jphoton.models import moe
+from jphoton.models.decoder import Attend, Params, attention_projections
 from jphoton.models.layers import dense, rms_norm, rope_inv_freq, swiglu
-from jphoton.models.llama import Attend, Params, _attention_projections
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend: Attend,
@@ -28,7 +28,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def attention(x, kv, lp, index):
-        q, kk, v = _attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
+        q, kk, v = attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
         o, kv = attend(q, kk, v, kv, index)
         o = dense(o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"])
         if cfg.o_bias:

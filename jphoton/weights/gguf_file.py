@@ -1,4 +1,5 @@
-"""GGUF files (llama architecture): metadata -> ModelConfig, every tensor type gguf-py dequantizes, Q/K unpermuted."""
+"""GGUF files (llama architecture): metadata -> ModelConfig, every tensor type gguf-py dequantizes, Q/K unpermuted, and
+the tokenizer rebuilt from the metadata (a byte-level BPE with its merges, special tokens and pre-tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 
 import gguf
 import numpy as np
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from jphoton.config import ModelConfig, RopeScaling
+from jphoton.tokenizer import Tokenizer
 from jphoton.weights.assemble import assemble_params
 
 log = logging.getLogger("jphoton.weights")
@@ -43,6 +47,59 @@ def open_gguf(path: pathlib.Path) -> gguf.GGUFReader:
 def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+# Pre-tokenizer regexes of the GGUF `tokenizer.ggml.pre` values we rebuild (as in llama.cpp's llama-vocab.cpp).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default", "gpt-2"):
+        return byte_level
+    if pre in ("llama3", "llama-bpe", "llama-v3", "qwen2"):
+        split = _LLAMA3_SPLIT if pre != "qwen2" else _QWEN2_SPLIT
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, llama-bpe, qwen2)")
+
+
+def read_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
+    """The tokenizer in the GGUF metadata, rebuilt; None if it has none or is not a byte-level BPE ('gpt2')."""
+    model = field(reader, "tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "gpt2":
+        log.warning("GGUF tokenizer model %r is not rebuilt (only byte-level BPE, 'gpt2', is); "
+                    "the model will take token ids only", model)
+        return None
+    tokens = list(field(reader, "tokenizer.ggml.tokens"))
+    types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre", "gpt2"))
+    tok.decoder = decoders.ByteLevel()
+    # CONTROL (3) tokens are special; USER_DEFINED (4) are added tokens matched verbatim in text.
+    added = [AddedToken(t, special=(ty == 3), normalized=False)
+             for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+    tok.add_tokens(added)
+
+    def tok_str(key):
+        i = field(reader, key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    return Tokenizer(tok, bos_token=tok_str("tokenizer.ggml.bos_token_id"),
+                     eos_token=tok_str("tokenizer.ggml.eos_token_id"),
+                     chat_template=field(reader, "tokenizer.chat_template"),
+                     add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)))
 
 
 def read_config(reader: gguf.GGUFReader, path: pathlib.Path) -> ModelConfig:
@@ -116,11 +173,9 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: pathlib.Path, dtype, progress: bool = False):
     """-> (ModelConfig, params, Tokenizer or None)."""
-    from jphoton.tokenizer import Tokenizer
-
     reader = open_gguf(path)
     cfg = read_config(reader, path)
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = read_tokenizer(reader)
     top: dict[str, np.ndarray] = {}
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     unexpected = []
