@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import pathlib
 import tempfile
@@ -18,36 +20,81 @@ os.environ.setdefault("JPHOTON_CACHE_DIR", tempfile.mkdtemp(prefix="jphoton-test
 # Small bucket sets keep compiles few on 2 CPU cores; every test engine shares them.
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=128, decode_buckets=(1, 8),
                    prefill_buckets=((2, 64),))
-_LIVE_LLMS = []
+_SHARED_LLMS = []  # engines of module- and session-scoped fixtures: checked after every test while they live
+_TEST_LLMS = []  # engines made by the running test: checked after it, then dropped (each holds weights and a KV pool)
 
 
 def make_llm(model=None, **kwargs):
-    """An LLM with the test bucket sets, checked for leaked KV pages after every test."""
+    """An LLM with the test bucket sets, checked for leaked KV pages after the test. freeze_gc is off unless a test asks:
+    gc.freeze() would keep every later-dropped engine of the session alive."""
     from jphoton import LLM
 
-    llm = LLM(model, **{"dtype": "float32", **ENGINE_ARGS, **kwargs})
-    _LIVE_LLMS.append(llm)
+    llm = LLM(model, **{"dtype": "float32", "freeze_gc": False, **ENGINE_ARGS, **kwargs})
+    _TEST_LLMS.append(llm)
     return llm
+
+
+@contextlib.contextmanager
+def shared_llm(model=None, **kwargs):
+    """make_llm for a module- or session-scoped fixture (`with shared_llm(...) as llm: yield llm`)."""
+    llm = make_llm(model, **kwargs)
+    _TEST_LLMS.remove(llm)
+    _SHARED_LLMS.append(llm)
+    try:
+        yield llm
+    finally:
+        _SHARED_LLMS.remove(llm)
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_pages():
     yield
-    for llm in _LIVE_LLMS:
-        stats = llm.stats()
-        assert stats["kv_pages_free"] == stats["kv_pages_total"], f"KV pages leaked: {stats}"
-        assert not llm.engine.sequences, "sequences still live after the test"
-        assert not llm.has_unfinished_requests()
+    try:
+        for llm in _SHARED_LLMS + _TEST_LLMS:
+            stats = llm.stats()
+            assert stats["kv_pages_free"] == stats["kv_pages_total"], f"KV pages leaked: {stats}"
+            assert not llm.engine.sequences, "sequences still live after the test"
+            assert not llm.has_unfinished_requests()
+    finally:
+        _TEST_LLMS.clear()
+        if gc.get_freeze_count():  # a test that built LLM(freeze_gc=True): let its engine go with the test
+            gc.unfreeze()
+            gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def drop_compiled_programs():
+    """Compiled programs stay in JAX's caches for the session: ~80 MB per Pallas kernel shape in interpret mode, 1.2 GB
+    for test_moe alone. Dropped after each module; the session's engines then compile their shapes again (from the
+    on-disk cache), so that they still serve without compiling."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    for llm in _SHARED_LLMS:
+        if llm.engine_config.warmup:
+            llm.engine.runner.warmup()
+
+
+@pytest.fixture
+def drop_compiled_programs_after_each_test():
+    """For the kernel test modules, which use no shared engine: their interpret-mode programs go after each test."""
+    yield
+    import jax
+
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    return make_llm()  # the default loop: pipelined, depth 2
+    with shared_llm() as llm:  # the default loop: pipelined, depth 2
+        yield llm
 
 
 @pytest.fixture(scope="session")
 def embedded_d1():
-    return make_llm(pipeline_depth=1)  # the blocking loop
+    with shared_llm(pipeline_depth=1) as llm:  # the blocking loop
+        yield llm
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import pytest
 
 from pallas_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs_after_each_test")
+
 
 @pytest.mark.parametrize("m,d,s,dtype", [(2, 256, 4, jnp.bfloat16), (3, 200, 1, jnp.float32), (2, 130, 3, jnp.float32),
                                          (5, 96, 8, jnp.bfloat16)])

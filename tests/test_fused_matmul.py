@@ -16,6 +16,8 @@ from jphoton.weights.random_init import random_params
 
 from conftest import FIXTURES, make_llm, tiny_reference
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs_after_each_test")
+
 CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=80, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=12, qkv_bias=True, o_bias=True, name="tiny-random")
 

@@ -11,6 +11,8 @@ import pytest
 
 from pallas_kernels.gemv import MAX_ROWS, GemvConfig, default_config, gemv, gemv_reference
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs_after_each_test")
+
 
 def rel_err(ours, ref) -> float:
     ref = np.asarray(ref, np.float32)

@@ -21,6 +21,8 @@ from pallas_kernels.moe_warp_decode import default_config, moe_reference, moe_wa
 
 from conftest import FIXTURES, make_llm, tiny_reference
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs_after_each_test")
+
 MOE_DIR = FIXTURES / "tiny" / "qwen3_moe"
 BACKENDS = ("warp_decode", "expert_centric")
 TOL = 1e-4  # max|Δ| / max|ref|, as for the dense families

@@ -20,6 +20,8 @@ from pallas_kernels.paged_decode_attention import (
 
 from conftest import FIXTURES, make_llm
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs_after_each_test")
+
 
 def make_inputs(seed, *, R, Hq, Hkv, hd, page_size, P, dtype, lengths, layers=3, spare_pages=3):
     """A pool with random contents; each row owns len/page_size pages at random places (shuffled block tables); the

@@ -10,7 +10,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.sampling import sample, seed_key_data
 
-from conftest import FIXTURES, make_llm
+from conftest import FIXTURES, shared_llm
 
 V = 8
 
@@ -59,7 +59,8 @@ def test_zero_temperature_is_argmax_whatever_the_filters():
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    return make_llm(str(FIXTURES / "tiny" / "qwen2"))
+    with shared_llm(str(FIXTURES / "tiny" / "qwen2")) as llm:
+        yield llm
 
 
 def test_same_seed_same_tokens_whatever_the_batch(tiny_llm):
