@@ -61,6 +61,28 @@ def child(model: str, case_names: list[str]) -> dict:
     return out
 
 
+def _write(args, trees: dict, runs: list) -> None:
+    names = [n for n in trees if any(x["tree"] == n for x in runs)]
+    summary = {}
+    for c in args.cases:
+        med = {n: statistics.median(x[c]["ms_step"] for x in runs if x["tree"] == n) for n in names}
+        dev = {n: statistics.median(x[c]["device_step_ms"] for x in runs if x["tree"] == n) for n in names}
+        summary[c] = {"ms_step_median": med, "device_step_ms_median": dev,
+                      "ratio_vs_first": {n: med[n] / med[names[0]] for n in names}}
+    if len(runs) == args.rounds * len(trees):
+        for c, row in summary.items():
+            med = row["ms_step_median"]
+            print(f"{c}: " + ", ".join(f"{n} {med[n]:.3f} ms ({med[n] / med[names[0]]:.3f}x)" for n in names))
+    if args.out:
+        import jax
+
+        payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "trees": trees, "runs": runs,
+                   "summary": summary}
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", nargs="+", default=[], help="NAME=PATH ...")
@@ -77,7 +99,7 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.rounds):
         for name, path in trees.items():
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(path), os.environ.get("PYTHONPATH", "")])}
             t0 = time.perf_counter()
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases]
             proc = subprocess.run(cmd, cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
@@ -90,22 +112,7 @@ def main(argv=None) -> int:
             print(f"round {r} {name:>6} ({time.perf_counter() - t0:5.1f} s): " + "  ".join(
                 f"{c} {v['ms_step']:.3f} ms/step (device {v['device_step_ms']:.3f}, x{v['tick_over_device_step']:.3f})"
                 for c, v in res.items()), flush=True)
-    names = list(trees)
-    summary = {}
-    for c in args.cases:
-        med = {n: statistics.median(x[c]["ms_step"] for x in runs if x["tree"] == n) for n in names}
-        dev = {n: statistics.median(x[c]["device_step_ms"] for x in runs if x["tree"] == n) for n in names}
-        summary[c] = {"ms_step_median": med, "device_step_ms_median": dev,
-                      "ratio_vs_first": {n: med[n] / med[names[0]] for n in names}}
-        print(f"{c}: " + ", ".join(f"{n} {med[n]:.3f} ms ({med[n] / med[names[0]]:.3f}x)" for n in names))
-    if args.out:
-        import jax
-
-        payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "trees": trees, "runs": runs,
-                   "summary": summary}
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
+            _write(args, trees, runs)  # after every child: a run cut short keeps what it measured
     return 0
 
 
