@@ -1,6 +1,8 @@
 """A/B two source trees of jphoton on one GPU, alternated: the 1B decode step at B=1 (context 512) and B=32.
 
-    python lab/ab_trees.py --trees base=.ab/base new=. --rounds 3 --out $OUT/ab.json
+    mkdir -p .ab/base && git archive 98dc4d0 jphoton pallas_kernels server benchmarks/__init__.py \
+        benchmarks/common.py benchmarks/pipeline.py | tar -x -C .ab/base      # .ab/ is git-ignored; carry it
+    taskset -c 0-7 python lab/ab_trees.py --trees base=.ab/base new=. --rounds 5 --out $OUT/ab.json
 
 Each (tree, round) runs in a fresh child process with PYTHONPATH=tree and measures, through APIs that every tree since
 wave 1 has (`LLM(...)`, `generate`, the engine's step telemetry), the pipelined engine's decode period (launch to
