@@ -1,4 +1,4 @@
-"""`jphoton convert` (orbax store) round trips, `jphoton generate` streams, random presets have real shapes."""
+"""`jphoton convert` (orbax store) round trips; random presets have real shapes. (`jphoton generate`: test_readme.py.)"""
 
 from __future__ import annotations
 
