@@ -22,23 +22,63 @@ import sys
 import time
 
 CASES = {"b1-ctx512": (1, 512), "b32": (32, 128)}  # name -> (requests, prompt tokens)
+# Opt-in (--cases), on an engine of their own with the 8k context: B=64 decode, and one 6,000-token prompt's prefill
+# (ms_step = the prefill's wall ms, median of 3; "device" = the same).
+LONG_CASES = {"b64": (64, 128), "prefill6k": (1, 6000)}
 NEW_TOKENS = 256
 
 
 def child(model: str, case_names: list[str]) -> dict:
     """Runs inside the tree under test."""
+    from jphoton import LLM
+
+    out = {}
+    short = [c for c in case_names if c in CASES]
+    if short:
+        llm = LLM(model, pipeline_depth=2, max_model_len=1024, max_num_seqs=32,
+                  decode_buckets=(1, 32), prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
+                  num_kv_pages=33 * 64 + 8, warmup=False, progress=False)
+        out.update(_decode_cases(llm, short, CASES))
+        del llm
+    long = [c for c in case_names if c in LONG_CASES]
+    if long:
+        llm = LLM(model, pipeline_depth=2, max_model_len=8192, max_num_seqs=64, decode_buckets=(1, 64),
+                  prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 64,
+                  num_kv_pages=64 * 24 + 400, warmup=False, progress=False)
+        out.update(_decode_cases(llm, [c for c in long if c != "prefill6k"], LONG_CASES))
+        if "prefill6k" in long:
+            out["prefill6k"] = _prefill_case(llm, LONG_CASES["prefill6k"][1])
+    return out
+
+
+def _prefill_case(llm, prompt_len: int) -> dict:
     import numpy as np
 
-    from jphoton import LLM, SamplingParams
+    from jphoton import SamplingParams
 
-    llm = LLM(model, pipeline_depth=2, max_model_len=1024, max_num_seqs=32,
-              decode_buckets=(1, 32), prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
-              num_kv_pages=33 * 64 + 8, warmup=False, progress=False)
+    prompt = {"prompt_token_ids": np.random.default_rng(1).integers(0, llm.config.vocab_size, prompt_len).tolist()}
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([prompt], params)  # compiles the chunks' shapes
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        walls.append(1e3 * (time.perf_counter() - t0))
+    ms = float(np.median(walls))
+    return {"ms_step": ms, "ms_step_p10": min(walls), "ms_step_p90": max(walls), "decode_steps": 0,
+            "device_step_ms": ms, "tick_over_device_step": 1.0}
+
+
+def _decode_cases(llm, case_names: list[str], cases: dict) -> dict:
+    import numpy as np
+
+    from jphoton import SamplingParams
+
     telemetry = getattr(llm, "telemetry", None) or llm.engine.telemetry  # public since wave 2
     rng = np.random.default_rng(0)
     out = {}
     for name in case_names:
-        rows, prompt = CASES[name]
+        rows, prompt = cases[name]
         prompts = [{"prompt_token_ids": rng.integers(0, llm.config.vocab_size, prompt).tolist()} for _ in range(rows)]
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         llm.generate(prompts, params)  # compiles (or loads) the shapes this case steps through
@@ -96,7 +136,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", nargs="+", default=[], help="NAME=PATH ...")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", nargs="+", default=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *LONG_CASES])
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
