@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import sys
+import threading
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -83,6 +85,12 @@ def _cmd_serve(args) -> int:
     except OSError as e:  # the port is taken or the address is not ours
         print(f"jphoton: error: {e}", file=sys.stderr)
         return 2
+    if any(t.name == "jphoton-load" and t.is_alive() for t in threading.enumerate()):
+        # Stopped while the model was still loading: leave without finalizing the interpreter, which would unwind the
+        # loader thread inside XLA and abort the process ("terminate called ...", exit -6).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -207,15 +207,16 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
 
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
+    # Handlers first: a SIGTERM sent as soon as the startup line appears must drain, not kill the process.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     server = Server(**server_kwargs)
     port = await server.start()
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),
           flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     load = asyncio.create_task(server.load(model))
     stopping = asyncio.create_task(stop.wait())
     try:
