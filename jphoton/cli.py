@@ -69,7 +69,7 @@ def _cmd_convert(args) -> int:
 def _cmd_serve(args) -> int:
     import asyncio
 
-    from server.app import run_until_signal
+    from server.app import LOADER_THREAD, run_until_signal
 
     def build():
         from jphoton.api import LLM
@@ -85,7 +85,7 @@ def _cmd_serve(args) -> int:
     except OSError as e:  # the port is taken or the address is not ours
         print(f"jphoton: error: {e}", file=sys.stderr)
         return 2
-    if any(t.name == "jphoton-load" and t.is_alive() for t in threading.enumerate()):
+    if any(t.name == LOADER_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped while the model was still loading: leave without finalizing the interpreter, which would unwind the
         # loader thread inside XLA and abort the process ("terminate called ...", exit -6).
         sys.stdout.flush()

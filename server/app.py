@@ -233,6 +233,9 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
             load.cancel()
 
 
+LOADER_THREAD = "jphoton-load"  # the model loader's thread (jphoton serve checks for it at exit)
+
+
 def _in_daemon_thread(fn: Callable[[], object]) -> asyncio.Future:
     """Run fn in a daemon thread (not asyncio.to_thread: exiting would wait for a model that is still compiling)."""
     loop = asyncio.get_running_loop()
@@ -252,6 +255,6 @@ def _in_daemon_thread(fn: Callable[[], object]) -> asyncio.Future:
         except RuntimeError:  # the loop is closed: the server stopped while the model was loading
             pass
 
-    threading.Thread(target=work, name="jphoton-load", daemon=True).start()
+    threading.Thread(target=work, name=LOADER_THREAD, daemon=True).start()
     return future
 
