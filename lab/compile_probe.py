@@ -33,17 +33,22 @@ def _compile(runner, shape) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def probe(model: str, unroll: bool, serial: int, parallel: int, threads: int, rows: list[int]) -> dict:
+def probe(model: str, variant: str, serial: int, parallel: int, threads: int, rows: list[int]) -> dict:
     from jphoton import LLM
     from jphoton.engine.runner import all_shapes
+    from jphoton.models import llama
 
+    unroll = variant != "scanned"
+    if variant == "unrolled-stacked":  # the layout before per-layer params: layer i sliced out of each stack
+        llama.unstack_layers = lambda params, consume=False: params
     t0 = time.perf_counter()
     llm = LLM(model, warmup=False, progress=False, unroll_layers=unroll, freeze_gc=False)
     load_s = time.perf_counter() - t0
     runner = llm.engine.runner
     shapes = all_shapes(runner.sched)
     picked = shapes[:: max(1, len(shapes) // (serial + parallel))][: serial + parallel]
-    out = {"unroll_layers": unroll, "num_shapes_default": len(shapes), "load_s": load_s, "serial": [], "parallel": {}}
+    out = {"variant": variant, "unroll_layers": unroll, "num_shapes_default": len(shapes), "load_s": load_s,
+           "serial": [], "parallel": {}}
     for shape in picked[:serial]:
         lower_s, compile_s = _compile(runner, shape)
         out["serial"].append({"shape": list(dataclasses.astuple(shape)), "lower_s": lower_s, "compile_s": compile_s})
@@ -76,7 +81,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--unroll", nargs="+", default=["scanned", "unrolled"], choices=["scanned", "unrolled"])
+    ap.add_argument("--unroll", nargs="+", default=["scanned", "unrolled"],
+                    choices=["scanned", "unrolled", "unrolled-stacked"],
+                    help="unrolled: per-layer params (the engine's layout); unrolled-stacked: the stacked layout "
+                         "sliced per layer (before issue 22). Run one per process for cold in-process caches.")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import jax
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
     result = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
     for name in args.unroll:
-        result["runs"].append(probe(args.model, name == "unrolled", args.serial, args.parallel, args.threads,
+        result["runs"].append(probe(args.model, name, args.serial, args.parallel, args.threads,
                                     args.rows))
         if args.out:
             with open(args.out, "w") as f:

@@ -69,6 +69,22 @@ def test_fused_params_and_matmul_hooks_match_the_unfused_xla_forward(tie):
         np.testing.assert_allclose(h, ref_h2, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(logits, ref_logits2, rtol=1e-4, atol=1e-4)
 
+    # the per-layer layout of the unrolled engine (llama.unstack_layers), from numpy and from device leaves, with every
+    # hook: the kernels get a stack of one and index 0
+    for src in (jax.tree_util.tree_map(np.asarray, fused), fused):
+        per_layer = llama.unstack_layers(src)
+        assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == cfg.num_layers
+        assert per_layer["layers"][1]["wqkv"].shape == (48, cfg.q_size + 2 * cfg.kv_size)
+        assert isinstance(src["layers"], dict)  # consume=False leaves the input as it was
+        for matmul in (None, XlaMatmul(glu_gemv=True, interpret=True), mm):
+            h, logits = _hidden(per_layer, cfg, tokens, matmul)
+            np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    popped = dict(fused, layers=dict(fused["layers"]))
+    assert llama.unstack_layers(popped, consume=True)["layers"][0].keys() == fused["layers"].keys()
+    assert popped["layers"] == {}  # consume=True empties the stacks as it splits them
+    assert llama.unstack_layers(per_layer) is not None and llama.unstack_layers(per_layer)["layers"] is per_layer["layers"]
+
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict
     assert "wq" not in consumed["layers"] and "w_up" not in consumed["layers"]

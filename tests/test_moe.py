@@ -123,6 +123,13 @@ def test_scanned_and_unrolled_layers_agree():
     unrolled = llama.reference_logits(params, cfg, seqs, unroll=True, moe_backend="expert_centric")
     for a, b in zip(scanned, unrolled, strict=True):
         assert rel_err(a, b) < 1e-5
+    # the engine's unrolled layout: one dict per layer, experts as a stack of one (llama.unstack_layers)
+    per_layer = llama.unstack_layers(params)
+    assert len(per_layer["layers"]) == 2 and per_layer["moe"][1]["w_gate"].shape == params["moe"]["w_gate"].shape[1:]
+    for backend in BACKENDS:
+        for a, b in zip(scanned, llama.reference_logits(per_layer, cfg, seqs, unroll=True, moe_backend=backend),
+                        strict=True):
+            assert rel_err(a, b) < 1e-5, backend
 
 
 def test_auto_runs_warp_decode_up_to_the_threshold(monkeypatch):

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
 
-Params layout (layers stacked on a leading axis so the layer loop is one `lax.scan`, which keeps compiles short):
+Params layout (layers stacked on a leading axis so the layer loop can be one `lax.scan`, which keeps compiles short):
 
     embed        [V, D]
     layers:
@@ -15,7 +15,8 @@ Params layout (layers stacked on a leading axis so the layer loop is one `lax.sc
 Serving layout (`fuse_params`, applied once when a model is built for the engine; loaders, checkpoints and
 `param_shapes` keep the layout above): wq|wk|wv -> wqkv [L, D, Hq*hd + 2*Hkv*hd] (bq|bk|bv -> bqkv) and
 w_gate|w_up -> w_gate_up [L, D, 2F], so a decode step reads each layer's input projections in one dot instead of
-three and two. `forward` branches on which keys are present.
+three and two. `forward` branches on which keys are present. The unrolled layer loop (the GPU default) is served from
+`unstack_layers`: each stacked group a tuple of per-layer dicts, so that every layer's GEMMs are one fusion to XLA.
 
 Mixture-of-experts variants (Qwen3-MoE, `cfg.num_experts > 0`) take the MLP weights out of `layers` and keep one stack
 per kind of layer, indexed by the layer's rank among its kind (forward in models/qwen3_moe.py):
@@ -128,6 +129,36 @@ def layer_groups(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return groups
 
 
+def unstack_layers(params: Params, *, consume: bool = False) -> Params:
+    """The per-layer serving layout for the unrolled layer loop: each stacked group (`layers`, and for MoE models `moe`
+    and `dense_mlp`) becomes a tuple of per-layer dicts. Why: an unrolled loop over a stack slices layer i out of it, the
+    slice fuses into that layer's GEMMs, and every layer's GEMM becomes a fusion of its own that XLA:GPU autotunes
+    separately (~5,000 autotuned kernels for a 30-layer model; docs/step-shapes.md); with one array per layer the
+    layers' GEMMs are the same fusion, tuned once. Numpy leaves are split into views (no copy); device leaves by one
+    jitted split per leaf shape. consume=True pops each stack out of `params` as it goes (peak: weights + one leaf).
+    Already-unstacked params come back unchanged."""
+    out = dict(params)
+    for group in ("layers", "moe", "dense_mlp"):
+        stack = params.get(group)
+        if stack is None or isinstance(stack, (tuple, list)):
+            continue
+        n = next(iter(stack.values())).shape[0]
+        per_layer: list[dict[str, Any]] = [{} for _ in range(n)]
+        for key in list(stack):
+            a = stack.pop(key) if consume else stack[key]
+            parts = list(a) if isinstance(a, np.ndarray) else _split_leading(a)
+            del a
+            for lp, part in zip(per_layer, parts, strict=True):
+                lp[key] = part
+        out[group] = tuple(per_layer)
+    return out
+
+
+@jax.jit
+def _split_leading(a: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(a[i] for i in range(a.shape[0]))
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
             attend: Attend, unroll: bool = False, moe_backend: str = "auto",
             matmul: Callable | None = None) -> tuple[jax.Array, Any]:
@@ -137,52 +168,71 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     (updated in place by XLA, never copied per layer); `attend(q, k, v, kv, layer)` writes this layer's keys/values
     into it and returns the attention output [..., Hq, hd]. `unroll` runs the layers as a Python loop (the layer index
     a Python int) instead of a `lax.scan`: longer compiles, but no loop control between layers (on GPU each loop
-    iteration is a synchronisation point for XLA). `moe_backend` only
-    matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs the dense layers'
-    weight matmuls, given the stacked weight and the layer index, and the residual adds and RMSNorms after them; MoE
-    configs ignore it. Params may be in the serving layout (`fuse_params`) or not."""
+    iteration is a synchronisation point for XLA). Per-layer params (`unstack_layers`) always run unrolled.
+    `moe_backend` only matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs
+    the dense layers' weight matmuls, given the layer's matrix and a stack + index for kernels, and the residual adds
+    and RMSNorms after them; MoE configs ignore it. Params may be in the serving layouts (`fuse_params`,
+    `unstack_layers`) or not."""
     if cfg.num_experts:
         return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
     mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    stacked = params["layers"]
+    layers = params["layers"]
+    per_layer = isinstance(layers, (tuple, list))
     # Each sublayer ends by normalising the residual stream for the next matmul (the MLP's norm after attention; the
     # next layer's attention norm, or the final norm, after the MLP), so that a hook can run the residual add and the
     # norm in one kernel: `matmul.residual`. Same ops as norm-at-the-start, in the same order.
-    next_norm = jnp.concatenate([stacked["attn_norm"][1:], params["final_norm"][None]])
+    if per_layer:
+        next_norms = [lp["attn_norm"] for lp in layers[1:]] + [params["final_norm"]]
+        first_norm = layers[0]["attn_norm"]
+    else:
+        next_norm = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
+        first_norm = layers["attn_norm"][0]
     x = params["embed"][tokens]
-    h = rms_norm(x, stacked["attn_norm"][0], eps)
+    h = rms_norm(x, first_norm, eps)
 
-    def layer(carry, xs):
+    def layer(carry, lp, norm_after, stacks, index, kv_layer):
+        """One decoder layer. lp: this layer's matrices (what an XLA dot should read); stacks[key][index]: the same
+        matrix as a stack + index (what a kernel should read: a slice fed to a custom call is copied; per-layer params
+        pass a [1, ...] view and index 0). kv_layer: the layer's index in the KV pool."""
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
-        lp, norm_after, index = xs
 
         def proj(v, key):
-            """v @ lp[key]; the hook gets this layer's matrix (what an XLA dot should read: the scan's slice fuses into
-            the GEMM) and the stack + index (what a kernel should read: a slice fed to a custom call is copied)."""
-            return mm(v, lp[key], stacked[key], index)
+            return mm(v, lp[key], stacks[key], index)
 
         q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj)
-        o, kv = attend(q, k, v, kv, index)
-        x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacked["wo"], index, lp["mlp_norm"],
-                           stacked["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
+        o, kv = attend(q, k, v, kv, kv_layer)
+        x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacks["wo"], index, lp["mlp_norm"],
+                           stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if "w_gate_up" in lp:
-            act = mm.glu(h, lp["w_gate_up"], stacked["w_gate_up"], index)
+            act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
-        x, h = mm.residual(x, act, lp["w_down"], stacked["w_down"], index, norm_after, next_norm, eps)
-        return (x, h, kv), None
+        x, h = mm.residual(x, act, lp["w_down"], stacks["w_down"], index, norm_after, stacks["next_norm"], eps)
+        return x, h, kv
 
-    if not unroll:
-        (_, h, kv), _ = jax.lax.scan(layer, (x, h, kv), (stacked, next_norm, jnp.arange(cfg.num_layers)))
-        return h, kv
-    # Unrolled as a Python loop, not `scan(unroll=True)`: the layer index is then a constant, where the unrolled scan
-    # slices it out of an iota at run time, and every custom call taking it as an operand (attention, GEMVs) waited on
-    # a one-element slice kernel of its own (~0.9 us per layer on the H100, RESULTS.md).
     carry = (x, h, kv)
-    for i in range(cfg.num_layers):
-        carry, _ = layer(carry, (jax.tree.map(lambda a, i=i: a[i], stacked), next_norm[i], i))
+    if per_layer:
+        for i, lp in enumerate(layers):
+            stacks = {key: a[None] for key, a in lp.items()} | {"next_norm": next_norms[i][None]}
+            carry = layer(carry, lp, next_norms[i], stacks, 0, i)
+    elif not unroll:
+        stacks = {**layers, "next_norm": next_norm}
+
+        def scanned(carry, xs):
+            lp, norm_after, index = xs
+            return layer(carry, lp, norm_after, stacks, index, index), None
+
+        carry, _ = jax.lax.scan(scanned, carry, (layers, next_norm, jnp.arange(cfg.num_layers)))
+    else:
+        # Unrolled as a Python loop, not `scan(unroll=True)`: the layer index is then a constant, where the unrolled
+        # scan slices it out of an iota at run time, and every custom call taking it as an operand (attention, GEMVs)
+        # waited on a one-element slice kernel of its own (~0.9 us per layer on the H100, RESULTS.md). The engine
+        # serves the unrolled loop over per-layer params (`unstack_layers`); this stacked form is the reference.
+        stacks = {**layers, "next_norm": next_norm}
+        for i in range(cfg.num_layers):
+            carry = layer(carry, jax.tree.map(lambda a, i=i: a[i], layers), next_norm[i], stacks, i, i)
     _, h, kv = carry
     return h, kv
 

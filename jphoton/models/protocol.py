@@ -51,6 +51,8 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
     mm = matmul_hook.make(matmul)
     if fuse:
         params = llama.fuse_params(config, params, consume=True)
+    if unroll_layers:  # one array per layer: every layer's GEMMs are one fusion to XLA (docs/step-shapes.md)
+        params = llama.unstack_layers(params, consume=True)
 
     def forward(params, tokens, positions, kv, attend):
         return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend,

@@ -5,7 +5,8 @@ selects (`cfg.is_moe_layer`), a dense SwiGLU MLP in the others. Same contract as
 Params: see models/llama.py (`param_shapes`): attention and norms stacked over all layers in `layers`, experts in `moe`,
 dense MLPs (if any) in `dense_mlp`. When every layer is MoE and `unroll` is off, the layer loop is one `lax.scan` whose
 body indexes the expert stacks with the traced layer number (the warp-decode kernels read the stack in place; nothing
-is sliced out); otherwise it is a Python loop (what `unroll` gives the dense families too).
+is sliced out); otherwise it is a Python loop (what `unroll` gives the dense families too), served from per-layer
+params (`llama.unstack_layers`) by the engine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 
     moe_rank = {i: r for r, i in enumerate(cfg.moe_layers)}
     dense_rank = {i: r for r, i in enumerate(cfg.dense_layers)}
-    if not dense_rank and not unroll:
+    if isinstance(params["layers"], (tuple, list)):  # per-layer params (llama.unstack_layers): the unrolled loop
+        for i, lp in enumerate(params["layers"]):
+            x, kv, h = attention(x, kv, lp, i)
+            if i in moe_rank:  # the kernels take a stack and an index: this layer's experts as a stack of one
+                experts = jax.tree_util.tree_map(lambda a: a[None], params["moe"][moe_rank[i]])
+                x = x + moe.moe_ffn(h, experts, 0, k, norm, moe_backend)
+            else:
+                mp = params["dense_mlp"][dense_rank[i]]
+                x = x + swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"])
+    elif not dense_rank and not unroll:
         def layer(carry, xs):
             x, kv = carry
             lp, index = xs
