@@ -7,7 +7,7 @@
 # finishes; all of them in one device call). One-off probes and tuning sweeps live in lab/ (lab/lab_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECTIONS="throughput pipeline-llama1b pipeline-smollm2 serving constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
+SECTIONS="startup startup-ready-1b throughput pipeline-llama1b pipeline-smollm2 serving constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
   host-overhead"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
@@ -34,6 +34,12 @@ run() {  # run NAME CMD...: time-boxed, logged
 [ "$1" = all ] && set -- $SECTIONS
 for section in "$@"; do
   case $section in
+    startup)  # time to first token of a fresh process, default LLM(), cold then warm caches, three model shapes
+      run startup python3 benchmarks/startup.py --models random:smollm2-135m random:llama3.2-1b \
+        random:qwen3-30b-a3b:layers=8 --out "$OUT/startup.json" ;;
+    startup-ready-1b)  # cold 1B: all default shapes ready, B=1 decode while they compile vs after
+      run "$section" python3 benchmarks/startup.py --models random:llama3.2-1b --runs cold --wait-ready \
+        --out "$OUT/$section.json" ;;
     throughput)  # engine decode throughput, random Llama-3.2-1B shape, blocking and pipelined, B = 1..128
       run throughput python3 benchmarks/throughput.py --model random:llama3.2-1b --batch 1 8 32 128 \
         --prompt-len 128 --new-tokens 128 --out "$OUT/throughput.json" ;;

@@ -21,6 +21,7 @@ from jphoton.engine import compiles
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.pipeline import Engine
 from jphoton.engine.telemetry import Telemetry
+from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.params import Completion, SamplingParams
@@ -42,7 +43,8 @@ class LLM:
     tokenizer: a HF tokenizer directory (or its tokenizer.json) to use instead of the model's own.
     config: an `EngineConfig`; keyword options (`max_num_seqs=`, `pipeline_depth=`, `attention=`, ...: every field of
     EngineConfig and of its groups, see `EngineConfig.option_names()`) are applied on top of it. The defaults are the
-    fast path for the device: pipelined decoding, Pallas kernels on GPU, every step shape compiled at start-up.
+    fast path for the device: pipelined decoding, Pallas kernels on GPU, the first request's step shapes compiled
+    before this returns and the rest in the background (`stats()["all_shapes_ready"]`, `wait_until_ready()`).
     """
 
     def __init__(self, model: str | os.PathLike | JaxModel | None = None, *, config: EngineConfig | None = None,
@@ -75,8 +77,9 @@ class LLM:
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
         log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
-        if cfg.warmup:
-            self.engine.runner.warmup(progress=cfg.progress)
+        self.warmup = Warmup(self.engine.runner, self.engine.scheduler, cfg.warmup, cfg.progress)
+        self.warmup.start()
+        self.engine.compiling_in_background = lambda: self.warmup.running
         if cfg.freeze_gc:
             _freeze_gc()
             self.engine.refreeze_gc = True  # and again after any tick that compiled (warmup=False)
@@ -165,8 +168,14 @@ class LLM:
         return self.engine.telemetry
 
     def stats(self) -> dict:
-        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events)."""
-        return {**self.engine.stats(), "num_compiles": compiles.num_compiles()}
+        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events), and the
+        warm-up's shapes_compiled / shapes_total / all_shapes_ready."""
+        return {**self.engine.stats(), "num_compiles": compiles.num_compiles(), **self.warmup.stats()}
+
+    def wait_until_ready(self, timeout: float | None = None) -> bool:
+        """Block until every step shape is compiled (warmup="background" compiles them while serving); True once
+        they are, False if `timeout` seconds pass first. After it, no request compiles anything."""
+        return self.warmup.wait(timeout)
 
     def device_step_ms(self, rows: int, *, context: int = 0, steps: int = 30, sampler: str | None = None) -> float:
         """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the

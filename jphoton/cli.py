@@ -35,9 +35,9 @@ def _cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    # One request: one decode row and one prefill shape, compiled on first use rather than a full bucket warm-up.
-    llm = LLM(args.model, dtype=args.dtype, progress=True, max_num_seqs=1, decode_buckets=(1,),
-              prefill_buckets=((1, 128),), warmup=False, pipeline_depth=args.pipeline_depth,
+    # One request: the default engine, each shape compiled when the request first needs it (one prefill shape per
+    # chunk size, one decode shape) rather than a warm-up of shapes it would never use.
+    llm = LLM(args.model, dtype=args.dtype, progress=True, warmup="off", pipeline_depth=args.pipeline_depth,
               moe_backend=args.moe_backend)
     if args.raw:
         prompt = args.prompt
@@ -74,7 +74,8 @@ def _cmd_serve(args) -> int:
     def build():
         from jphoton.api import LLM
 
-        # Warm-up compiles every step shape before health turns SERVING: serving itself never compiles.
+        # The default warm-up: health turns SERVING once a first request's shapes are compiled; the rest compile in the
+        # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
         return LLM(args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth, max_num_seqs=args.max_num_seqs,
                    max_model_len=args.max_model_len)
 

@@ -89,8 +89,10 @@ class Server:
         self.servicer.attach(llm)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("SERVING %s (ready in %.1f s, %d compiles so far)", llm.model.name or llm.config.name,
-                 time.perf_counter() - t0, llm.stats()["num_compiles"])
+        stats = llm.stats()
+        log.info("SERVING %s (ready in %.1f s, %d compiles so far, %d of %d step shapes ready)",
+                 llm.model.name or llm.config.name, time.perf_counter() - t0, stats["num_compiles"],
+                 stats["shapes_compiled"], stats["shapes_total"])
 
     async def stop(self, grace: float = 30.0) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight streams finish for up to `grace` seconds,

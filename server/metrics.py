@@ -73,6 +73,9 @@ class _EngineCollector:
             "jphoton_num_compiles": ("XLA compilations in this process (stays flat after warm-up)", s["num_compiles"]),
             "jphoton_preemptions": ("Requests preempted for KV pages since start", s.get("preemptions", 0)),
             "jphoton_engine_steps": ("Engine steps launched since start", s.get("steps", 0)),
+            "jphoton_step_shapes_compiled": ("Step shapes compiled (the rest compile in the background while serving)",
+                                             s["shapes_compiled"]),
+            "jphoton_step_shapes_total": ("Step shapes the engine uses once all are compiled", s["shapes_total"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))

@@ -137,7 +137,9 @@ class EngineServicer:
         s = self.stats()
         return pb.Stats(kv_pages_total=s["kv_pages_total"], kv_pages_free=s["kv_pages_free"], running=s["running"],
                         waiting=s["waiting"], num_compiles=s["num_compiles"], queued=s["queued"],
-                        max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0))
+                        max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0),
+                        shapes_compiled=s["shapes_compiled"], shapes_total=s["shapes_total"],
+                        all_shapes_ready=s["all_shapes_ready"])
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context):

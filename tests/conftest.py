@@ -26,10 +26,11 @@ _TEST_LLMS = []  # engines made by the running test: checked after it, then drop
 
 def make_llm(model=None, **kwargs):
     """An LLM with the test bucket sets, checked for leaked KV pages after the test. freeze_gc is off unless a test asks:
-    gc.freeze() would keep every later-dropped engine of the session alive."""
+    gc.freeze() would keep every later-dropped engine of the session alive. Warm-up is "full" (every shape before the
+    test runs: deterministic); tests of the background warm-up ask for it."""
     from jphoton import LLM
 
-    llm = LLM(model, **{"dtype": "float32", "freeze_gc": False, **ENGINE_ARGS, **kwargs})
+    llm = LLM(model, **{"dtype": "float32", "freeze_gc": False, "warmup": "full", **ENGINE_ARGS, **kwargs})
     _TEST_LLMS.append(llm)
     return llm
 
@@ -72,7 +73,7 @@ def drop_compiled_programs():
 
     jax.clear_caches()
     for llm in _SHARED_LLMS:
-        if llm.engine_config.warmup:
+        if llm.engine_config.warmup != "off":
             llm.engine.runner.warmup()
 
 

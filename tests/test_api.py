@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from jphoton import LLM, Buckets, EngineConfig, Kernels, RequestOutput, SamplingParams
-from jphoton.engine.runner import Runner
+from jphoton.engine.warmup import Warmup
 
 from conftest import FIXTURES, make_llm
 
@@ -17,10 +17,15 @@ def _greedy(n):
 
 
 def test_llm_with_no_arguments_runs_pipelined(monkeypatch):
-    """`LLM()` as a notebook user writes it: the embedded model, the default config, depth 2. Warm-up (every default
-    shape, minutes on 2 CPU cores) is skipped here; the request compiles only the shapes it needs."""
-    monkeypatch.setattr(Runner, "warmup", lambda self, *a, **k: 0.0)
+    """`LLM()` as a notebook user writes it: the embedded model, the default config, depth 2, warm-up in the
+    background. The background thread is stopped before it compiles anything (the rest of the default shapes would
+    take minutes on 2 CPU cores): the request runs through the first two shapes alone and compiles nothing."""
+    monkeypatch.setattr(Warmup, "_run", lambda self, queue: None)
     llm = LLM()
+    stats = llm.stats()
+    assert llm.engine_config.warmup == "background"
+    assert (stats["shapes_compiled"], stats["all_shapes_ready"]) == (2, False) and stats["shapes_total"] > 2
+    compiles = stats["num_compiles"]
     assert llm.engine_config.pipeline_depth == 2
     assert llm.engine_config.max_num_seqs == 64
     assert llm.engine_config.max_model_len == min(llm.config.max_position_embeddings, 8192)
@@ -30,6 +35,7 @@ def test_llm_with_no_arguments_runs_pipelined(monkeypatch):
     recs = sorted(llm.telemetry.records, key=lambda r: r.step_id)
     # pipelined: every step after the first is launched before the step before it is committed
     assert len(recs) >= 8 and all(b.t_launch < a.t_commit for a, b in zip(recs, recs[1:], strict=False))
+    assert llm.stats()["num_compiles"] == compiles
 
 
 def test_step_by_step_matches_generate(embedded_llm):

@@ -164,3 +164,16 @@ def test_vs_pytorch_handoff_round_trips_arrays_config_and_reference(tmp_path):
     assert got["b.weight"].T.flags.c_contiguous  # the loader's transpose still hands back a contiguous array
     for key in ref:
         np.testing.assert_array_equal(got_ref[key], ref[key])
+
+
+def test_startup(tmp_path):
+    """A fresh child process per run, cold then warm caches; --wait-ready decodes until every shape is ready."""
+    from benchmarks.startup import main
+
+    result = main(["--models", TINY, "--wait-ready", "--out", str(tmp_path / "s.json")])
+    cold, warm = result["models"][TINY]["cold"], result["models"][TINY]["warm"]
+    assert 0 < cold["import_s"] < cold["llm_s"] < cold["first_token_s"] and warm["first_token_s"] > 0
+    assert cold["shapes_at_first_token"] >= 2 and cold["shapes_total"] > cold["shapes_at_first_token"]
+    assert cold["all_shapes_ready"] and cold["compiles_after_ready"] == 0 and cold["decode_b1"]["after_tok_s"]
+    assert warm["compiles_at_first_token"] > 0  # persistent-cache hits count as compiles too (engine/compiles.py)
+    assert json.loads((tmp_path / "s.json").read_text())["models"][TINY]["warm"]

@@ -11,6 +11,7 @@ from jphoton.engine.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table
 ATTENTION = ("auto", "pallas", "static", "dynamic")
+WARMUP = ("background", "full", "off")  # engine/warmup.py (which imports jax; this module must not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,9 @@ class EngineConfig:
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
     seed: int = 0  # seeds of requests that give none
-    warmup: bool = True  # compile every step shape at start-up, so serving never compiles
+    # "background": the first request's shapes before LLM() returns, the rest on a background thread (served as they
+    # become ready); "full": every shape before LLM() returns; "off": on first use (engine/warmup.py). True = "full".
+    warmup: str | bool = "background"
     progress: bool = True  # progress bars on loading and compiling
     freeze_gc: bool = True  # gc.freeze() start-up objects: a full GC pass would stall a tick (RESULTS.md)
     cache_converted: bool | None = None  # cache GGUF -> orbax conversions on disk (None: GGUF only)
@@ -78,6 +81,10 @@ class EngineConfig:
             raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {self.pipeline_depth!r}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
+        if self.warmup is True or self.warmup is False:
+            object.__setattr__(self, "warmup", "full" if self.warmup else "off")
+        if self.warmup not in WARMUP:
+            raise ValueError(f"warmup must be one of {', '.join(map(repr, WARMUP))} (or a bool), got {self.warmup!r}")
         if self.kernels.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.kernels.attention!r}")
         # The bucket tuples are checked where they are complete (SchedulerConfig, after resolve).

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import gc
 import logging
+from collections.abc import Callable
 
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
@@ -74,6 +75,9 @@ class Engine:
         # by every later full collection (a 98.7 ms full pass inside a B=32 tick on the H100, docs/lab-log.md).
         self.refreeze_gc = False
         self._compiles_seen = compiles.num_compiles()
+        # Shapes still compiling on the background thread (engine/warmup.py): no refreeze until it is done (its
+        # compiles would make every tick refreeze); one refreeze after.
+        self.compiling_in_background: Callable[[], bool] = lambda: False
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -118,7 +122,8 @@ class Engine:
         if self.inflight and self.inflight[-1].awaiting_mask:
             self.ahead = self._plan()
             self._finalize(self.inflight[-1])
-        if self.refreeze_gc and compiles.num_compiles() != self._compiles_seen:
+        if (self.refreeze_gc and compiles.num_compiles() != self._compiles_seen
+                and not self.compiling_in_background()):
             self._refreeze_gc()
         return outputs
 

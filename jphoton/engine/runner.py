@@ -20,12 +20,11 @@ import numpy as np
 
 from jphoton.constraints import mask_words
 from jphoton.engine.config import EngineConfig
-from jphoton.engine.scheduler import SchedulerConfig, StepPlan
+from jphoton.engine.scheduler import SchedulerConfig, StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
     StepLayout,
-    StepShape,
     StepStatic,
     engine_step,
     resample,
@@ -46,13 +45,7 @@ def _input_transfer():
 
 
 def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
-    decode = [0, *cfg.decode_buckets]
-    prefill = [(0, 0), *cfg.prefill_buckets]
-    contexts = cfg.context_buckets or (0,)
-    if cfg.pallas_decode:  # decode-only steps need no context bucket: one shape per decode bucket
-        return ([StepShape(d, 0, 0) for d in cfg.decode_buckets]
-                + [StepShape(d, r, t, c) for c in contexts for d in decode for r, t in prefill if r])
-    return [StepShape(d, r, t, c) for c in contexts for d in decode for r, t in prefill if d or r]
+    return cfg.all_shapes()
 
 
 class Runner:
@@ -102,6 +95,18 @@ class Runner:
         self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
         self._last_launched: DecodeSlot | None = None
+        # Abstract arguments for ahead-of-time compiles (shape, dtype, sharding of the live buffers).
+        self._sharding = on_device
+
+        def spec(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)
+
+        slot = self.slots[0]
+        self._step_specs = (jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv), spec(slot.tokens),
+                            spec(slot.tokens), spec(slot.logits),
+                            jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device))
+        self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
+                               spec(self.carrier))
 
     def _zeros(self, shape, dtype) -> jax.Array:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -113,20 +118,30 @@ class Runner:
         return self._layouts[shape]
 
     # ---- compile ---------------------------------------------------------------------------------------------------
+    def compile_step(self, shape: StepShape) -> None:
+        """Compile one step shape ahead of time (safe from another thread while the engine runs: it lowers from
+        abstract arguments, never the live buffers that steps donate). The jitted step's own cache is filled, so the
+        engine's next call with this shape dispatches at once."""
+        self._step.lower(shape, *self._step_specs).compile()
+
+    def compile_sampler(self, variant: SamplerVariant) -> None:
+        """Compile one second sampler ahead of time (as `compile_step`)."""
+        buffer = jax.ShapeDtypeStruct(self._sampler_input(variant).buffer.shape, jnp.int32, sharding=self._sharding)
+        self._resample.lower(*variant, *self._sampler_specs, buffer).compile()
+
     def warmup(self, shapes: Iterable[StepShape] | None = None, progress: bool = False) -> float:
-        """Compile (and run once, all rows padding) every bucket shape and second sampler, so serving never compiles."""
+        """Compile every given step shape (default: all) and every second sampler now, so serving never compiles."""
         shapes = list(shapes if shapes is not None else all_shapes(self.sched))
         t0 = time.perf_counter()
         it = shapes
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for shape in it:  # slots alternate as in serving: a step never donates the buffer it reads as prev_tokens
-            self._dispatch_into(self._take_slot(), shape, self.layout(shape).empty(self.static.trash_page)["_buffer"])
+            it = tqdm(shapes, desc="compiling step shapes", unit="shape")
+        for shape in it:
+            self.compile_step(shape)
         for variant in self.sampler_variants():
-            self._resample_into(self.slots[0], variant, self._sampler_input(variant).buffer)
-        jax.block_until_ready(self.kv)
+            self.compile_sampler(variant)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
         return elapsed
@@ -138,8 +153,7 @@ class Runner:
 
     # ---- one step --------------------------------------------------------------------------------------------------
     def pack(self, plan: StepPlan) -> StepInput:
-        pr, pt = plan.prefill_bucket
-        shape = StepShape(plan.decode_bucket, pr, pt, plan.context_bucket)
+        shape = plan.shape
         v = self.layout(shape).empty(self.static.trash_page)
         # Column-wise fills (one numpy call per field, not per row): packing is on the host's critical path.
         if d := plan.decode:

@@ -15,6 +15,24 @@ from jphoton.sequence import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The padded sizes of one compiled step (one XLA program each)."""
+
+    decode_rows: int  # Bd (0 = no decode part)
+    prefill_rows: int  # Bp (0 = no prefill part)
+    prefill_tokens: int  # Tp, tokens per prefill row
+    ctx_pages: int = 0  # pages every row attends over (the context bucket); 0 = no bucket (Pallas / dynamic loop)
+
+    @property
+    def rows(self) -> int:
+        return self.decode_rows + self.prefill_rows
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + self.prefill_rows * self.prefill_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences at most (decode rows per step)
     max_num_batched_tokens: int = 512  # valid tokens per step (decode rows + prefill chunk tokens)
@@ -39,6 +57,22 @@ class SchedulerConfig:
     def max_prefill_chunk(self) -> int:
         return max(t for _, t in self.prefill_buckets)
 
+    @property
+    def mixed_decode_rows(self) -> int:
+        """Decode rows of every step that also carries prefill: the largest decode bucket. A step with a prefill chunk
+        costs what the chunk costs; padding decode rows (trash page, length 0) add matmul rows, not weight reads. One
+        decode size instead of one per bucket divides the mixed shapes by the number of decode buckets."""
+        return self.decode_buckets[-1]
+
+    def all_shapes(self) -> list[StepShape]:
+        """Every step shape the scheduler can plan: decode-only steps (one per decode bucket; with static attention
+        one per context bucket too) and prefill steps with no decode part or the full one (`mixed_decode_rows`)."""
+        contexts = self.context_buckets or (0,)
+        decode_ctx = (0,) if self.pallas_decode else contexts
+        return ([StepShape(d, 0, 0, c) for c in decode_ctx for d in self.decode_buckets]
+                + [StepShape(d, r, t, c) for c in contexts for d in (0, self.mixed_decode_rows)
+                   for r, t in self.prefill_buckets])
+
 
 @dataclasses.dataclass(slots=True)
 class Row:
@@ -59,9 +93,7 @@ class StepPlan:
     step_id: int
     decode: list[Row]
     prefill: list[Row]
-    decode_bucket: int  # padded decode rows (0 = none)
-    prefill_bucket: tuple[int, int]  # padded (rows, tokens per row); (0, 0) = none
-    context_bucket: int = 0  # pages attended per row; 0 = dynamic (or no bucket: decode-only, Pallas decode)
+    shape: StepShape  # the compiled step it runs in (padded sizes)
 
     @property
     def rows(self) -> list[Row]:
@@ -81,6 +113,12 @@ class Scheduler:
         self.num_preemptions = 0
         self._admissions = 0
         self._next_step = 0
+        # Shapes that may be planned: None = all of them; else a frozenset, replaced (never mutated) by the thread that
+        # compiles the rest in the background (engine/warmup.py), so a plan reads one consistent set.
+        self.ready: frozenset[StepShape] | None = None
+        # The shape a plan would have used had it been ready (the background compiler takes it next); None if none.
+        self.wanted: StepShape | None = None
+        self._prefill_turn = False  # the next plan runs prefill alone (no ready shape mixes it with decode)
 
     # ---- queue -----------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,20 +151,25 @@ class Scheduler:
 
     # ---- planning --------------------------------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
+        """The next step: decode rows of running sequences first, then prefill chunks in the remaining token budget,
+        padded to a shape that is ready. Until every shape is compiled (`ready`), a prompt goes through the ready
+        prefill shapes in chunks, decode rows beyond the largest ready bucket take turns, and a step that cannot mix
+        decode with prefill alternates with a prefill-only one."""
         step_id = self._next_step
         planned: set[int] = set()
-        decode = self._plan_decode(step_id, planned)
-        prefill, prefill_bucket = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned)
+        prefill_turn, self._prefill_turn = self._prefill_turn, False
+        decode = [] if prefill_turn else self._plan_decode(step_id, planned)
+        prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
+        if prefill_turn and not prefill:  # nothing could be prefilled after all: decode this step
+            decode = self._plan_decode(step_id, planned)
+            prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
         if not decode and not prefill:
             return None
-        decode_bucket = _smallest_at_least(self.config.decode_buckets, len(decode)) if decode else 0
-        plan = StepPlan(step_id, decode, prefill, decode_bucket, prefill_bucket)
-        bucketed = plan.prefill if self.config.pallas_decode else plan.rows
-        if self.config.context_buckets and bucketed:
-            need = max(self.pages.pages_for(r.start + r.num_tokens) for r in bucketed)
-            plan.context_bucket = _smallest_at_least(self.config.context_buckets, need)
+        if shape is None:  # decode only
+            shape = self._decode_shape(decode)
+        plan = StepPlan(step_id, decode, prefill, shape)
         for j, row in enumerate(prefill):
-            row.out_row = decode_bucket + j
+            row.out_row = shape.decode_rows + j
             s = row.seq
             s.num_computed = row.start + row.num_tokens
             s.inflight_refs += 1
@@ -136,6 +179,38 @@ class Scheduler:
         self._next_step += 1
         return plan
 
+    def _is_ready(self, shape: StepShape) -> bool:
+        return self.ready is None or shape in self.ready
+
+    def _ctx_pages(self, rows: list[Row]) -> list[int]:
+        """Context buckets (ascending) that cover every row in `rows`: the rows whose attention needs one (prefill
+        rows; decode rows too with static attention). [0] when none does."""
+        if not self.config.context_buckets or not rows:
+            return [0]
+        need = max(self.pages.pages_for(r.start + r.num_tokens) for r in rows)
+        return [c for c in self.config.context_buckets if c >= need]
+
+    def _static_decode(self) -> bool:
+        """Decode rows need a context bucket (static attention); with the Pallas kernel or the dynamic loop none."""
+        return bool(self.config.context_buckets) and not self.config.pallas_decode
+
+    def _decode_shape(self, decode: list[Row]) -> StepShape:
+        for c in self._ctx_pages(decode if self._static_decode() else []):
+            for d in self.config.decode_buckets:
+                if d >= len(decode) and self._is_ready(StepShape(d, 0, 0, c)):
+                    return StepShape(d, 0, 0, c)
+        raise AssertionError("decode rows planned beyond the ready decode shapes")
+
+    def _decode_limit(self) -> int:
+        """Most decode rows a step may take: the largest ready decode-only bucket (all of them once warm). With static
+        attention only shapes of the largest context bucket count (they serve any context)."""
+        limit = min(self.config.max_num_seqs, self.config.decode_buckets[-1])
+        if self.ready is None:
+            return limit
+        ctx = self.config.context_buckets[-1] if self._static_decode() else 0
+        return min(limit, max((s.decode_rows for s in self.ready if not s.prefill_rows and s.ctx_pages == ctx),
+                              default=0))
+
     def _plan_decode(self, step_id: int, planned: set[int]) -> list[Row]:
         """Claim a decode row for every running sequence that can take one, oldest admission first, and book it as
         launched (num_computed, inflight_refs, pending_samples, last_sample) as `plan` does for prefill rows.
@@ -143,7 +218,10 @@ class Scheduler:
         One pass with the per-row tests inlined: this loop runs for every row of every step on the host's critical
         path (benchmarks/host_overhead.py: 128 rows took ~2.5 us each with helper calls and property reads)."""
         rows: list[Row] = []
-        limit = min(self.config.max_num_seqs, max(self.config.decode_buckets))
+        limit = self._decode_limit()
+        if len(self.running) > limit and self.ready is not None:
+            self.wanted = self.wanted or next((StepShape(d, 0, 0, 0) for d in self.config.decode_buckets
+                                               if d > limit and not self._is_ready(StepShape(d, 0, 0, 0))), None)
         page_size = self.pages.page_size
         # `running` is in admission order (admission appends, preemption removes), so no sort is needed for FIFO; the
         # copy is because a page reservation may preempt (remove) other sequences while we walk.
@@ -175,27 +253,35 @@ class Scheduler:
             s.last_sample = (step_id, out_row)
         return rows
 
-    def _plan_prefill(self, budget: int, planned: set[int]) -> tuple[list[Row], tuple[int, int]]:
+    def _plan_prefill(self, budget: int, planned: set[int], decode: list[Row]) -> tuple[list[Row], StepShape | None]:
+        """Prefill chunks for the step (oldest first) and the ready shape that holds them with `decode` (None: no
+        prefill). Only shapes in `ready` are used: a chunk is cut to the largest ready prefill bucket."""
+        cfg = self.config
+        d_part = cfg.mixed_decode_rows if decode else 0
         rows: list[Row] = []
-        bucket = (0, 0)
+        shape: StepShape | None = None
         prefilling = [s for s in self.running  # in admission order (see _plan_decode)
                       if not s.finalized and s.status == "running" and s.num_computed < s.prefill_target]
         candidates = prefilling + [s for s in self.waiting if not s.finalized]
         num_running = self.num_running if candidates else 0
+        max_chunk = self._max_ready_chunk(d_part) if candidates else 0
+        if candidates and not max_chunk:
+            self._want(StepShape(d_part, *cfg.prefill_buckets[0], self._ctx_for(candidates[0])))
         for s in candidates:
-            if budget <= 0:
+            if budget <= 0 or not max_chunk:
                 break
             admitting = s.status == "waiting"
             if admitting:
                 if s.inflight_refs:  # preempted while in flight: re-admit once its last token has landed
                     continue
-                if num_running >= self.config.max_num_seqs:
+                if num_running >= cfg.max_num_seqs:
                     break
                 target = s.num_tokens
             else:
                 target = s.prefill_target
-            chunk = min(target - s.num_computed, self.config.max_prefill_chunk, budget)
-            fit = _fit_prefill(self.config.prefill_buckets, [r.num_tokens for r in rows] + [chunk])
+            chunk = min(target - s.num_computed, max_chunk, budget)
+            row = Row(s, s.num_computed, chunk, [], -1, s.num_computed + chunk == target, len(s.output_ids))
+            fit = self._fit_prefill(d_part, rows + [row], decode)
             if fit is None:
                 break
             if not self._reserve(s, s.num_computed + chunk, planned, may_preempt=False):
@@ -206,13 +292,49 @@ class Scheduler:
                 s.status, s.prefill_target = "running", target
                 s.admitted_at, self._admissions = self._admissions, self._admissions + 1
                 num_running += 1
-            done = s.num_computed + chunk == s.prefill_target
-            rows.append(Row(s, s.num_computed, chunk, [s.token_at(i) for i in range(s.num_computed, s.num_computed + chunk)],
-                            -1, done, len(s.output_ids)))
+            row.tokens = [s.token_at(i) for i in range(s.num_computed, s.num_computed + chunk)]
+            rows.append(row)
             planned.add(id(s))
-            bucket = fit
+            shape = fit
             budget -= chunk
-        return rows, bucket
+        if candidates and not rows and decode and self.ready is not None:
+            self._prefill_turn = True  # no ready shape mixes these chunks with decode: try them alone next step
+        return rows, shape
+
+    def _max_ready_chunk(self, d_part: int) -> int:
+        """Tokens per row of the largest ready prefill bucket that goes with `d_part` decode rows (0: none ready)."""
+        if self.ready is None:
+            return self.config.max_prefill_chunk
+        return max((s.prefill_tokens for s in self.ready if s.prefill_rows and s.decode_rows == d_part), default=0)
+
+    def _ctx_for(self, seq: Sequence) -> int:
+        """The context bucket a prefill chunk of `seq` needs (0 if attention takes none)."""
+        if not self.config.context_buckets:
+            return 0
+        need = self.pages.pages_for(min(seq.num_tokens, seq.num_computed + self.config.max_prefill_chunk))
+        return next((c for c in self.config.context_buckets if c >= need), self.config.context_buckets[-1])
+
+    def _want(self, shape: StepShape) -> None:
+        if not self._is_ready(shape) and self.wanted is None:
+            self.wanted = shape
+
+    def _fit_prefill(self, d_part: int, rows: list[Row], decode: list[Row]) -> StepShape | None:
+        """The cheapest ready shape with `d_part` decode rows that holds every prefill row (and, with static
+        attention, the decode rows' contexts), or None. If the cheapest is not ready, it becomes `wanted`."""
+        chunks = [r.num_tokens for r in rows]
+        ctxs = self._ctx_pages(rows + (decode if self._static_decode() else []))
+        fits = sorted((r * t, r, t) for r, t in self.config.prefill_buckets if r >= len(chunks) and t >= max(chunks))
+        best = None
+        for _, r, t in fits:
+            for c in ctxs:
+                shape = StepShape(d_part, r, t, c)
+                if best is None:
+                    best = shape
+                if self._is_ready(shape):
+                    return shape
+        if best is not None:
+            self._want(best)
+        return None
 
     def _reserve(self, s: Sequence, num_tokens: int, planned: set[int], may_preempt: bool = True) -> bool:
         """Make s's block table cover `num_tokens` positions, preempting the latest-admitted other sequences if the pool
@@ -244,16 +366,3 @@ class Scheduler:
         self.running.remove(s)
         self.waiting.appendleft(s)
         self.num_preemptions += 1
-
-
-def _smallest_at_least(buckets, n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _fit_prefill(buckets, chunks: list[int]) -> tuple[int, int] | None:
-    """The cheapest (rows, tokens) bucket that holds every chunk as a row, or None."""
-    fits = [(r * t, r, t) for r, t in buckets if r >= len(chunks) and t >= max(chunks)]
-    return min(fits)[1:] if fits else None

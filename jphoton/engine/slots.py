@@ -9,8 +9,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jphoton.engine.scheduler import StepPlan
-from jphoton.engine.step import StepShape
+from jphoton.engine.scheduler import StepPlan, StepShape
 from jphoton.engine.telemetry import StepRecord
 
 

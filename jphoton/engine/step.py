@@ -18,23 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
+from jphoton.engine.scheduler import StepShape
 from jphoton.sampling import sample, sample_plain, top_logprobs
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    decode_rows: int  # Bd (0 = no decode part)
-    prefill_rows: int  # Bp (0 = no prefill part)
-    prefill_tokens: int  # Tp, tokens per prefill row
-    ctx_pages: int = 0  # pages every row attends over (the context bucket); 0 = dynamic loop up to the longest context
-
-    @property
-    def rows(self) -> int:
-        return self.decode_rows + self.prefill_rows
-
-    @property
-    def tokens(self) -> int:
-        return self.decode_rows + self.prefill_rows * self.prefill_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,201 @@
+"""Compiling the engine's step shapes so that the first request is served in seconds and nothing compiles once warm.
+
+Modes (`EngineConfig.warmup`):
+  "background" (default)  the shapes a first request needs (the smallest decode step and one prefill step) compile
+                          before `LLM()` returns; every other shape and second sampler compiles on one background
+                          thread, and the scheduler plans only with ready shapes (`Scheduler.ready`): a long prompt runs
+                          in chunks through a ready prefill shape, decode rows beyond the largest ready bucket take
+                          turns. A shape a plan could not use goes to the front of the queue (`Scheduler.wanted`).
+  "full"                  every shape compiles before `LLM()` returns.
+  "off"                   nothing ahead of time: a shape compiles when a step first needs it (tests, probes).
+
+Why one background thread: on one GPU, concurrent compiles ran ~5x slower each (XLA's autotuner times kernels on the
+device; docs/step-shapes.md). The first tier compiles on two threads: tracing one shape (Python, holds the GIL)
+overlaps the other's XLA compile (releases it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+import weakref
+
+from jphoton.engine.config import WARMUP
+from jphoton.engine.scheduler import Scheduler, StepShape
+
+log = logging.getLogger("jphoton.engine")
+
+MODES = WARMUP
+FIRST_PREFILL_TOKENS = 128  # the first tier's prefill bucket: the largest one-row bucket up to this many tokens
+
+
+def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShape]:
+    """The shapes a first request needs: a prefill-only step (the fewest rows, <= 128 tokens a row if there is such a
+    bucket, the smallest context bucket) and the smallest decode-only step (static attention: at the largest context
+    bucket, which serves any context)."""
+    cfg = scheduler.config
+    decode_ctx = cfg.context_buckets[-1] if cfg.context_buckets and not cfg.pallas_decode else 0
+    decode = min((s for s in shapes if not s.prefill_rows and s.ctx_pages == decode_ctx), key=lambda s: s.decode_rows)
+    prefill_only = [s for s in shapes if s.prefill_rows and not s.decode_rows]
+    ctx, rows = min(s.ctx_pages for s in prefill_only), min(s.prefill_rows for s in prefill_only)
+    small = sorted((s for s in prefill_only if (s.ctx_pages, s.prefill_rows) == (ctx, rows)),
+                   key=lambda s: s.prefill_tokens)
+    prefill = max((s for s in small if s.prefill_tokens <= FIRST_PREFILL_TOKENS), default=small[0],
+                  key=lambda s: s.prefill_tokens)
+    return [prefill, decode]
+
+
+def background_order(shapes: list[StepShape], first: list[StepShape], scheduler: Scheduler) -> list[StepShape]:
+    """The rest, most useful first: the first prefill bucket at longer contexts (long prompts), decode buckets
+    ascending (more requests at once), prefill mixed with decode, then everything else by context and size."""
+    cfg = scheduler.config
+    prefill = first[0]
+    rest = [s for s in shapes if s not in first]
+
+    def rank(s: StepShape):
+        if not s.decode_rows and (s.prefill_rows, s.prefill_tokens) == (prefill.prefill_rows, prefill.prefill_tokens):
+            return (0, s.ctx_pages, 0)
+        if not s.prefill_rows:
+            return (1, s.decode_rows, s.ctx_pages)
+        if s.decode_rows == cfg.mixed_decode_rows and s.prefill_tokens == prefill.prefill_tokens:
+            return (2, s.ctx_pages, s.prefill_rows)
+        return (3, s.ctx_pages, s.tokens)
+
+    return sorted(rest, key=rank)
+
+
+class Warmup:
+    """Owns the compile of every step shape and second sampler for one engine (module docstring)."""
+
+    def __init__(self, runner, scheduler: Scheduler, mode: str = "background", progress: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"warmup must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        self.runner, self.scheduler, self.mode, self.progress = runner, scheduler, mode, progress
+        self.shapes = scheduler.config.all_shapes()
+        self.samplers = runner.sampler_variants()
+        self.compiled: set[StepShape] = set()
+        self.samplers_compiled = 0
+        self.first_token_s: float | None = None  # seconds until the first tier was ready
+        self.all_ready_s: float | None = None  # seconds until every shape and sampler was ready
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._atexit = None
+        self._t0 = time.perf_counter()
+
+    # ---- public ----------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Compile what the mode says must exist before serving; in "background" start the thread for the rest."""
+        self._t0 = time.perf_counter()
+        if self.mode == "off":
+            self._done.set()
+            return
+        if self.mode == "full":
+            self.runner.warmup(self.shapes, progress=self.progress)
+            self.compiled.update(self.shapes)
+            self.samplers_compiled = len(self.samplers)
+            self._finish()
+            return
+        first = first_shapes(self.shapes, self.scheduler)
+        with concurrent.futures.ThreadPoolExecutor(len(first), thread_name_prefix="jphoton-compile") as pool:
+            list(pool.map(self.runner.compile_step, first))
+        self.compiled.update(first)
+        self.first_token_s = time.perf_counter() - self._t0
+        self.scheduler.ready = frozenset(self.compiled)
+        log.info("first step shapes compiled in %.1fs (%d of %d): serving; the rest compile in the background",
+                 self.first_token_s, len(first), len(self.shapes))
+        self._thread = threading.Thread(target=self._run, args=(background_order(self.shapes, first, self.scheduler),),
+                                        name="jphoton-warmup", daemon=True)
+        # Never leave the interpreter while this thread is inside XLA: at exit, stop after the compile in progress. A
+        # weak reference, so that the hook does not keep a dropped engine's device buffers alive.
+        self._atexit = functools.partial(_stop_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
+        self._thread.start()
+
+    @property
+    def all_ready(self) -> bool:
+        return self._done.is_set() and self.error is None
+
+    @property
+    def running(self) -> bool:
+        """The background thread is still compiling."""
+        return self._thread is not None and not self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every shape is ready (True) or the timeout passes (False). Raises what the thread raised."""
+        done = self._done.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError("compiling the step shapes failed") from self.error
+        return done
+
+    def stop(self) -> None:
+        """Let the thread finish the compile it is in, then end it (process exit; the engine's shapes stay partial)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def stats(self) -> dict:
+        return {"shapes_compiled": len(self.compiled), "shapes_total": len(self.shapes),
+                "all_shapes_ready": self.all_ready}
+
+    # ---- the background thread -------------------------------------------------------------------------------------
+    def _run(self, queue: list[StepShape]) -> None:
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(queue) + len(self.samplers), desc="compiling step shapes (serving meanwhile)",
+                       unit="shape", leave=False)
+        try:
+            samplers_after = sum(1 for s in queue if not s.prefill_rows)  # decode buckets, then samplers
+            while queue and not self._stop.is_set():
+                wanted = self.scheduler.wanted
+                self.scheduler.wanted = None
+                shape = wanted if wanted in queue else queue[0]
+                queue.remove(shape)
+                self.runner.compile_step(shape)
+                self.compiled.add(shape)
+                self.scheduler.ready = frozenset(self.compiled)
+                if bar is not None:
+                    bar.update()
+                samplers_after -= not shape.prefill_rows
+                if samplers_after <= 0 and self.samplers_compiled < len(self.samplers):
+                    self._compile_samplers(bar)
+            self._compile_samplers(bar)
+        except BaseException as e:  # noqa: BLE001 -- reported by stats() and wait(), logged here
+            self.error = e
+            log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
+                          len(self.compiled))
+        finally:
+            if bar is not None:
+                bar.close()
+        if not self._stop.is_set() and self.error is None:
+            self._finish()
+        else:
+            self._done.set()
+        atexit.unregister(self._atexit)
+
+    def _compile_samplers(self, bar) -> None:
+        while self.samplers_compiled < len(self.samplers) and not self._stop.is_set():
+            self.runner.compile_sampler(self.samplers[self.samplers_compiled])
+            self.samplers_compiled += 1
+            if bar is not None:
+                bar.update()
+
+    def _finish(self) -> None:
+        self.all_ready_s = time.perf_counter() - self._t0
+        self.scheduler.ready = None  # every shape: the scheduler's unrestricted path
+        self._done.set()
+        log.info("all %d step shapes ready (%d second samplers) in %.1fs", len(self.shapes), len(self.samplers),
+                 self.all_ready_s)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    warmup = ref()
+    if warmup is not None:
+        warmup.stop()

@@ -1,0 +1,145 @@
+"""Step shapes (issue 22): the shape set, planning with only the ready shapes while the rest compile, the background
+warm-up end to end, and zero compiles once every shape is ready under a random request mix."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from jphoton import SamplingParams
+from jphoton.engine.config import EngineConfig
+from jphoton.engine.scheduler import SchedulerConfig, StepShape
+from jphoton.engine.warmup import background_order, first_shapes
+
+from conftest import FIXTURES, make_llm, tiny_reference
+
+LLAMA = str(FIXTURES / "tiny" / "llama3")
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _record_shapes(llm) -> list[StepShape]:
+    """Every shape the engine packs from now on; each must be ready when it is packed."""
+    shapes, pack, sched = [], llm.engine.runner.pack, llm.engine.scheduler
+
+    def recording(plan):
+        assert sched.ready is None or plan.shape in sched.ready, f"planned {plan.shape}, not ready"
+        shapes.append(plan.shape)
+        return pack(plan)
+
+    llm.engine.runner.pack = recording
+    return shapes
+
+
+def test_default_shape_count_is_decode_buckets_plus_two_per_prefill_bucket():
+    """The GPU defaults: 6 decode buckets (2..64) + prefill steps with no decode part or the full 64 rows, for 4
+    prefill buckets x 3 context buckets = 30 shapes (90 before issue 22: every decode bucket in every mixed step)."""
+    cfg = EngineConfig().resolve_kernels("gpu").resolve_shapes(8192, min_decode_rows=2).scheduler_config()
+    shapes = cfg.all_shapes()
+    assert len(shapes) == len(set(shapes)) == 6 + 2 * 4 * 3
+    assert {s.decode_rows for s in shapes if s.prefill_rows} == {0, 64}
+    assert all(s.ctx_pages == 0 for s in shapes if not s.prefill_rows)  # Pallas decode: no context bucket
+    static = SchedulerConfig(decode_buckets=(2, 8), prefill_buckets=((1, 32),), context_buckets=(4, 16))
+    assert len(static.all_shapes()) == 2 * 2 + 2 * 2  # static attention: decode steps take a context bucket too
+
+
+def test_first_shapes_serve_a_first_request_and_the_rest_come_in_a_useful_order():
+    cfg = EngineConfig().resolve_kernels("gpu").resolve_shapes(8192, min_decode_rows=2).scheduler_config()
+
+    class Sched:  # first_shapes reads only the config
+        config = cfg
+
+    shapes = cfg.all_shapes()
+    first = first_shapes(shapes, Sched)
+    assert first == [StepShape(0, 1, 128, 32), StepShape(2, 0, 0, 0)]
+    rest = background_order(shapes, first, Sched)
+    assert sorted(rest + first, key=str) == sorted(shapes, key=str)
+    assert rest[:2] == [StepShape(0, 1, 128, 128), StepShape(0, 1, 128, 512)]  # longer prompts next
+    assert [s.decode_rows for s in rest[2:7]] == [4, 8, 16, 32, 64]  # then more requests at once
+
+
+@pytest.mark.parametrize("attention", ["dynamic", "static"])
+def test_planning_with_only_the_ready_shapes_matches_all_shapes(attention):
+    """With only the first tier ready, long prompts run in chunks through the small prefill shape, the decode rows fit
+    the one ready decode bucket, prefill alternates with decode; whatever a plan wanted is compiled between steps
+    (as the background thread would). Greedy tokens equal those of a run with every shape ready."""
+    extra = dict(attention=attention, context_buckets=(2, 4, 16)) if attention == "static" else {}
+    llm = make_llm(LLAMA, warmup="off", max_num_seqs=8, decode_buckets=(1, 2, 8),
+                   prefill_buckets=((1, 16), (2, 64)), max_num_batched_tokens=128, **extra)
+    ref = tiny_reference("llama3")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, llm.config.vocab_size, n).tolist() for n in (90, 5, 40, 17, 3, 70)]
+    params = [_greedy(n) for n in (6, 9, 4, 12, 7, 5)]
+    want = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert want[0] and ref  # the reference run itself is checked against HF elsewhere (test_engine)
+
+    sched = llm.engine.scheduler
+    first = first_shapes(sched.config.all_shapes(), sched)
+    sched.ready = frozenset(first)
+    used = _record_shapes(llm)
+    ids = [llm.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params, strict=True)]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    compiled_late = []
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            got[out.request_id] += out.delta.token_ids
+        if len(used) == 12 and sched.wanted is None:  # later on, one more decode bucket becomes ready
+            sched.wanted = StepShape(2, 0, 0, first[1].ctx_pages)
+        if sched.wanted is not None:  # the background compiler's part: make the wanted shape ready
+            compiled_late.append(sched.wanted)
+            sched.ready, sched.wanted = sched.ready | {sched.wanted}, None
+    assert [got[i] for i in ids] == want
+    assert compiled_late and set(used) <= set(first) | set(compiled_late)
+    assert any(s.prefill_rows and s.prefill_tokens == 16 for s in used)  # chunks through the small prefill shape
+    sched.ready = None
+
+
+def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypatch):
+    """warmup="background": LLM() returns after the first two shapes; requests are served (token-exact) while the
+    rest compile; all_shapes_ready turns True; then a random mix of prompt lengths, counts, sampling options,
+    logprobs, stops and constraints compiles nothing."""
+    ref = tiny_reference("llama3")
+    llm = make_llm(LLAMA, warmup="background")
+    greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], greedy)
+    assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
+    assert llm.wait_until_ready(timeout=600)
+    stats = llm.stats()
+    assert stats["all_shapes_ready"] and stats["shapes_compiled"] == stats["shapes_total"] == 4
+    assert llm.engine.scheduler.ready is None
+
+    _random_mix(llm, random.Random(7), constraints=False)  # the tiny model's vocabulary is smaller than its tokenizer's
+
+
+def test_no_compiles_under_a_random_mix_with_constraints(embedded_llm):
+    """Every shape ready (the session's embedded engine): a random mix with constraints compiles nothing either."""
+    assert embedded_llm.stats()["all_shapes_ready"]
+    _random_mix(embedded_llm, random.Random(11), constraints=True)
+
+
+def _random_mix(llm, rnd: random.Random, constraints: bool, rounds: int = 3) -> None:
+    """Random batches of prompt lengths, request counts, sampling options, logprobs, stops (and constraints): not one
+    compile."""
+    before = llm.stats()["num_compiles"]
+    kinds = [{}, {}, {"regex": "[a-z]{1,8}"}, {"choice": ["yes", "no"]},
+             {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}] if constraints else [{}]
+    for _ in range(rounds):
+        n = rnd.randint(1, 8)
+        prompts = [{"prompt_token_ids": [rnd.randrange(1, 250) for _ in range(rnd.randint(1, 150))]} for _ in range(n)]
+        params = [SamplingParams(max_tokens=rnd.randint(1, 12), temperature=rnd.choice([0, 0.7, 1.2]),
+                                 top_p=rnd.choice([1.0, 0.9]), top_k=rnd.choice([0, 5]), seed=rnd.randrange(99),
+                                 logprobs=rnd.choice([None, 2]), stop=rnd.choice([[], ["the"]]), **rnd.choice(kinds))
+                  for _ in range(n)]
+        assert len(llm.generate(prompts, params)) == n
+    assert llm.stats()["num_compiles"] == before
+
+
+def test_warmup_option_is_checked():
+    assert EngineConfig(warmup=True).warmup == "full" and EngineConfig(warmup=False).warmup == "off"
+    assert EngineConfig().warmup == "background"
+    with pytest.raises(ValueError, match="warmup must be one of"):
+        EngineConfig(warmup="lazy")
