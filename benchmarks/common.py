@@ -45,6 +45,24 @@ def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
     return bw
 
 
+def default_llm(model, max_rows: int = 0, **options):
+    """`LLM(model)` as a user builds it: the default step shapes, KV pool and context (`max_num_seqs` raised only when a
+    run needs more than the default 64 rows at once), then every shape compiled before anything is timed
+    (`wait_until_ready`): no hand-picked buckets (issue 22)."""
+    from jphoton import LLM
+
+    if max_rows > 64:
+        options["max_num_seqs"] = max_rows
+    t0 = time.perf_counter()
+    llm = LLM(model, **options)
+    first = time.perf_counter() - t0
+    llm.wait_until_ready()
+    s = llm.stats()
+    print(f"LLM({model!r}): serving after {first:.1f} s, all {s['shapes_total']} step shapes ready after "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return llm
+
+
 def weight_bytes(cfg, itemsize: int = 2) -> int:
     """Bytes of a dense Llama-family model's weights (what one decode step reads), from its ModelConfig."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim

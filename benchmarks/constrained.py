@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, closed_loop, device_info, write_json  # noqa: E402
-from jphoton import LLM, SamplingParams  # noqa: E402
+from benchmarks.common import QUICK, closed_loop, default_llm, device_info, write_json  # noqa: E402
+from jphoton import SamplingParams  # noqa: E402
 
 PROMPT = 64
 
@@ -97,9 +97,7 @@ def main(argv=None):
     info = device_info()
     print(info, flush=True)
     n_max = max(args.streams)
-    llm = LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=256, pipeline_depth=2,
-              max_num_seqs=n_max, decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=8 * PROMPT,
-              prefill_buckets=((min(8, n_max), PROMPT),), num_kv_pages=n_max * 16 + 8)
+    llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer)
     schema = json.dumps(SCHEMA)
     rows, samples = [], []
     for n in args.streams:

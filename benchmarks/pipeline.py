@@ -27,8 +27,7 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, closed_loop, device_info, write_json  # noqa: E402
-from jphoton import LLM  # noqa: E402
+from benchmarks.common import QUICK, closed_loop, default_llm, device_info, write_json  # noqa: E402
 
 PROMPT = 64
 
@@ -86,9 +85,7 @@ def main(argv=None) -> list[dict]:
     for model in args.models:
         results = {}
         for depth in (1, 2):
-            llm = LLM(model, dtype=args.dtype, max_model_len=256, pipeline_depth=depth, max_num_seqs=max(args.streams),
-                      decode_buckets=tuple(sorted(args.streams)), max_num_batched_tokens=max(args.streams) + PROMPT,
-                      prefill_buckets=((1, PROMPT),), num_kv_pages=max(args.streams) * 16 + 8)
+            llm = default_llm(model, max(args.streams), dtype=args.dtype, pipeline_depth=depth)
             for n in args.streams:
                 closed_loop(llm, n, 1, seed=99, lengths=(8, 12))  # compiles every shape the runs step through
                 results[depth, n] = closed_loop(llm, n, args.requests_per_stream, seed=n)

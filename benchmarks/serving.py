@@ -10,8 +10,10 @@ and reports TTFT, TPOT (time per output token after the first), ITL (gap between
 tok/s in the steady-state window (tokens received in it / its length), the staggered/static ratio, and the XLA
 compiles the server did after warm-up (GetStats; should be 0).
 
-The server runs in a child process (this script with --serve), so the client's Python does not compete with the
-engine loop for the GIL; --connect HOST:PORT measures a server that is already running instead.
+The server runs in a child process (this script with --serve), built as `jphoton serve` builds it (the default
+engine) with every step shape compiled before it serves; --connect HOST:PORT measures a server that is already running
+instead. The load comes from --client-procs processes (default 8), each with its own channel and event loop, each
+reporting its CPU use (a client at 100% of a core would be measuring itself); tokens per message are reported too.
 
     python benchmarks/serving.py --concurrency 4 --requests-per-client 2 --prompt-len 32 --new-tokens 16   # CPU
     python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --out /tmp/serving.json    # GPU
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -75,6 +78,81 @@ async def one_request(stub, prompt: list[int], new_tokens: int, sent_at: float |
     return trace
 
 
+# ---- the load generator: client processes ----------------------------------------------------------------------------
+# A chain is (start offset s, [prompts]): its requests are sent one after another from t0 + s. Static = C chains of one
+# at 0; staggered = C chains of R; Poisson = one chain per arrival. Chains are dealt round-robin to K processes, each
+# with its own channel and event loop, so the client's Python is never the bottleneck (each reports its CPU use); their
+# timestamps share one clock (perf_counter is CLOCK_MONOTONIC, system-wide).
+Chain = tuple[float, list[list[int]]]
+
+
+async def _run_chains(address: str, t0: float, chains: list[Chain], new_tokens: int) -> list[list[Trace]]:
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
+        stub = pb_grpc.EngineStub(ch)
+
+        async def chain(offset: float, prompts: list[list[int]]) -> list[Trace]:
+            start = t0 + offset
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            traces = [await one_request(stub, prompts[0], new_tokens, sent_at=start)]
+            for prompt in prompts[1:]:
+                traces.append(await one_request(stub, prompt, new_tokens))
+            return traces
+
+        return list(await asyncio.gather(*(chain(o, ps) for o, ps in chains)))
+
+
+def _client_main(address: str, conn) -> None:
+    """A client process: run each batch of chains the parent sends; answer (traces, cpu s, wall s) or an error."""
+    while (task := conn.recv()) is not None:
+        t0, chains, new_tokens = task
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        try:
+            traces = asyncio.run(_run_chains(address, t0, chains, new_tokens))
+            conn.send(([[dataclasses.astuple(t) for t in ts] for ts in traces], time.process_time() - cpu0,
+                       time.perf_counter() - wall0))
+        except Exception as e:  # noqa: BLE001 -- reported to the parent, which raises it
+            conn.send(RuntimeError(f"client process: {e!r}"))
+
+
+class ClientPool:
+    """K load-generator processes (spawned, not forked: no gRPC state is inherited)."""
+
+    def __init__(self, address: str, processes: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_main, args=(address, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, chains: list[Chain], new_tokens: int, lead: float = 0.5) -> tuple[list[list[Trace]], dict]:
+        """Run the chains (in their order) across the processes, all starting `lead` s from now. Returns each chain's
+        traces and the client processes' CPU use (each as a fraction of one core over its run)."""
+        k = min(len(self.conns), len(chains))
+        t0 = time.perf_counter() + lead
+        for i in range(k):
+            self.conns[i].send((t0, chains[i::k], new_tokens))
+        out: list[list[Trace]] = [[] for _ in chains]
+        cpu = []
+        for i in range(k):
+            reply = self.conns[i].recv()
+            if isinstance(reply, Exception):
+                raise reply
+            traces, cpu_s, wall_s = reply
+            for j, ts in zip(range(i, len(chains), k), traces, strict=True):
+                out[j] = [Trace(sent, [tuple(m) for m in msgs], reason) for sent, msgs, reason in ts]
+            cpu.append(cpu_s / wall_s if wall_s > 0 else 0.0)
+        return out, {"processes": k, "core_fraction": cpu, "max_core_fraction": max(cpu)}
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(10)
+
+
 def percentiles(xs: list[float]) -> dict:
     if not xs:
         return {}
@@ -105,43 +183,37 @@ def summarize(traces: list[Trace], window: tuple[float, float], mode: str, concu
         "tpot_ms": percentiles([(t.last - t.first) / (t.tokens - 1) for t in traces if t.tokens > 1]),
         "itl_ms": percentiles(itl),
         "request_s_mean": statistics.fmean(t.last - t.sent for t in traces),
+        "tokens_per_message": sum(t.tokens for t in traces) / max(1, sum(1 for t in traces for _, n in t.messages if n)),
     }
 
 
-async def run_static(stub, prompts, new_tokens: int, c: int) -> dict:
-    traces = await asyncio.gather(*(one_request(stub, prompts[i], new_tokens) for i in range(c)))
+def run_static(pool: ClientPool, prompts, new_tokens: int, c: int) -> dict:
+    per, cpu = pool.run([(0.0, [prompts[i]]) for i in range(c)], new_tokens)
+    traces = [ts[0] for ts in per]
     # Decode phase: every request has its first token, none has finished (the batch decodes in lockstep).
-    return summarize(traces, (max(t.first for t in traces), min(t.last for t in traces)), "static", c)
+    return summarize(traces, (max(t.first for t in traces), min(t.last for t in traces)), "static", c) | {"client": cpu}
 
 
-async def run_staggered(stub, prompts, new_tokens: int, c: int, per_client: int, duration: float) -> dict:
-    async def client(w: int) -> list[Trace]:
-        await asyncio.sleep(w * duration / c)
-        return [await one_request(stub, prompts[(w * per_client + k) % len(prompts)], new_tokens)
-                for k in range(per_client)]
-
-    per = await asyncio.gather(*(client(w) for w in range(c)))
+def run_staggered(pool: ClientPool, prompts, new_tokens: int, c: int, per_client: int, duration: float) -> dict:
+    chains = [(w * duration / c, [prompts[(w * per_client + k) % len(prompts)] for k in range(per_client)])
+              for w in range(c)]
+    per, cpu = pool.run(chains, new_tokens)
     traces = [t for ts in per for t in ts]
     # Steady state: from the last client's first request to the first client's finishing its last one.
     window = (max(ts[0].sent for ts in per), min(ts[-1].last for ts in per))
-    return summarize(traces, window, "staggered", c)
+    return summarize(traces, window, "staggered", c) | {"client": cpu}
 
 
-async def run_poisson(stub, prompts, new_tokens: int, c: int, n: int, duration: float, seed: int) -> dict:
+def run_poisson(pool: ClientPool, prompts, new_tokens: int, c: int, n: int, duration: float, seed: int) -> dict:
     rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in range(n):
-        arrivals.append(t)
+    t, chains = 0.0, []
+    for i in range(n):
+        chains.append((t, [prompts[i % len(prompts)]]))
         t += rng.expovariate(c / duration)
-    t0 = time.perf_counter()
-
-    async def arrive(i: int) -> Trace:
-        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-        return await one_request(stub, prompts[i % len(prompts)], new_tokens, sent_at=t0 + arrivals[i])
-
-    traces = await asyncio.gather(*(arrive(i) for i in range(n)))
+    per, cpu = pool.run(chains, new_tokens)
+    traces = [ts[0] for ts in per]
     sent = sorted(t.sent for t in traces)
-    return summarize(traces, (sent[min(c, n - 1)], sent[-1]), "poisson", c)
+    return summarize(traces, (sent[min(c, n - 1)], sent[-1]), "poisson", c) | {"client": cpu}
 
 
 async def bench(args, address: str) -> dict:
@@ -164,26 +236,11 @@ async def bench(args, address: str) -> dict:
         n_prompts = max(args.concurrency) * args.requests_per_client
         prompts = [[rng.randrange(info.vocab_size) for _ in range(args.prompt_len)] for _ in range(n_prompts)]
         compiles_warm = (await stub.GetStats(pb.GetStatsRequest())).num_compiles
-        await run_static(stub, prompts, 4, min(args.concurrency))  # first requests through every code path
-        rows = []
-        for c in args.concurrency:
-            static = await run_static(stub, prompts, args.new_tokens, c)
-            print(_line(static), flush=True)
-            if args.arrival == "poisson":
-                moving = await run_poisson(stub, prompts, args.new_tokens, c, c * args.requests_per_client,
-                                           static["request_s_mean"], args.seed)
-            else:
-                moving = await run_staggered(stub, prompts, args.new_tokens, c, args.requests_per_client,
-                                             static["request_s_mean"])
-            moving["ratio_vs_static"] = moving["decode_tok_s"] / static["decode_tok_s"]
-            print(_line(moving) + f", ratio vs static {moving['ratio_vs_static']:.3f}", flush=True)
-            if c in BASELINE:
-                static["engine_only"] = BASELINE[c]
-                static["ratio_vs_engine_only"] = static["decode_tok_s"] / BASELINE[c]["decode_tok_s"]
-                print(f"C={c:3d} engine alone: {BASELINE[c]['decode_tok_s']:9.1f} decode tok/s "
-                      f"({BASELINE[c]['decode_ms']:.3f} ms/step); served static batch / engine alone "
-                      f"{static['ratio_vs_engine_only']:.3f}", flush=True)
-            rows += [static, moving]
+        pool = ClientPool(address, min(args.client_procs, max(args.concurrency)))
+        try:
+            rows = await asyncio.to_thread(_scenarios, args, pool, prompts)
+        finally:
+            pool.close()
         stats = await stub.GetStats(pb.GetStatsRequest())
         compiles = stats.num_compiles - compiles_warm
         print(f"compiles after warm-up: {compiles}; preemptions: {stats.preemptions}", flush=True)
@@ -192,10 +249,37 @@ async def bench(args, address: str) -> dict:
                 "rows": rows, "compiles_after_warmup": compiles, "preemptions": stats.preemptions}
 
 
+def _scenarios(args, pool: ClientPool, prompts) -> list[dict]:
+    run_static(pool, prompts, 4, min(args.concurrency))  # first requests through every code path
+    rows = []
+    for c in args.concurrency:
+        static = run_static(pool, prompts, args.new_tokens, c)
+        print(_line(static), flush=True)
+        if args.arrival == "poisson":
+            moving = run_poisson(pool, prompts, args.new_tokens, c, c * args.requests_per_client,
+                                 static["request_s_mean"], args.seed)
+        else:
+            moving = run_staggered(pool, prompts, args.new_tokens, c, args.requests_per_client,
+                                   static["request_s_mean"])
+        moving["ratio_vs_static"] = moving["decode_tok_s"] / static["decode_tok_s"]
+        print(_line(moving) + f", ratio vs static {moving['ratio_vs_static']:.3f}", flush=True)
+        if c in BASELINE:
+            static["engine_only"] = BASELINE[c]
+            static["ratio_vs_engine_only"] = static["decode_tok_s"] / BASELINE[c]["decode_tok_s"]
+            print(f"C={c:3d} engine alone: {BASELINE[c]['decode_tok_s']:9.1f} decode tok/s "
+                  f"({BASELINE[c]['decode_ms']:.3f} ms/step); served static batch / engine alone "
+                  f"{static['ratio_vs_engine_only']:.3f}", flush=True)
+        rows += [static, moving]
+    return rows
+
+
 def _line(r: dict) -> str:
+    cpu = r["client"]
     return (f"C={r['concurrency']:3d} {r['mode']:9s}: {r['decode_tok_s']:9.1f} decode tok/s "
             f"(window {r['window_s']:.2f} s, mean concurrency {r['mean_concurrency']:.1f}), "
-            f"TTFT p50/p90/p99 {_p(r['ttft_ms'])} ms, TPOT {_p(r['tpot_ms'])} ms, ITL {_p(r['itl_ms'])} ms")
+            f"TTFT p50/p90/p99 {_p(r['ttft_ms'])} ms, TPOT {_p(r['tpot_ms'])} ms, ITL {_p(r['itl_ms'])} ms, "
+            f"{r['tokens_per_message']:.2f} tokens/message; {cpu['processes']} client processes, busiest at "
+            f"{100 * cpu['max_core_fraction']:.0f}% of a core")
 
 
 def _p(d: dict) -> str:
@@ -204,15 +288,9 @@ def _p(d: dict) -> str:
 
 # ---- the server child ------------------------------------------------------------------------------------------------
 def engine_kwargs(args) -> dict:
-    """Bucket sets sized for the runs: a decode bucket per concurrency, prefill of one or four prompts, one context
-    bucket. Few shapes keep a fresh GPU's warm-up compile short; a full batch plus one prompt chunk fits a step."""
-    page = 16
-    max_len = -(-(args.prompt_len + args.new_tokens) // page) * page
-    max_seqs = max(args.concurrency)
-    chunk = -(-args.prompt_len // page) * page
-    return dict(max_model_len=max_len, max_num_seqs=max_seqs, decode_buckets=tuple(sorted(set(args.concurrency))),
-                prefill_buckets=((1, chunk), (4, chunk)), max_num_batched_tokens=max_seqs + 4 * chunk,
-                num_kv_pages=(max_seqs + 8) * (max_len // page), pipeline_depth=args.pipeline_depth, page_size=page)
+    """What `jphoton serve` builds: the default engine (step shapes, KV pool, context), more rows only if a run needs
+    more than the default 64 at once."""
+    return dict(pipeline_depth=args.pipeline_depth, max_rows=max(args.concurrency))
 
 
 def serve_child(spec: dict) -> None:
@@ -222,9 +300,9 @@ def serve_child(spec: dict) -> None:
     print("device: " + json.dumps(device_info()), flush=True)  # the client must not touch the accelerator itself
 
     def build():
-        from jphoton import LLM
+        from benchmarks.common import default_llm
 
-        llm = LLM(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])
+        llm = default_llm(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])  # all shapes ready
         if spec["baseline"]:
             engine_baseline(llm, spec)
         return llm
@@ -299,6 +377,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--arrival", choices=("staggered", "poisson"), default="staggered")
+    ap.add_argument("--client-procs", type=int, default=8,
+                    help="load-generator processes (at most one per concurrent stream), each with its own channel")
     ap.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--switch-interval", type=float, default=0.001,

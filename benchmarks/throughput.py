@@ -20,6 +20,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import (  # noqa: E402
     QUICK,
+    default_llm,
     device_info,
     kv_bytes_read,
     read_bandwidth,
@@ -27,7 +28,7 @@ from benchmarks.common import (  # noqa: E402
     weight_bytes,
     write_json,
 )
-from jphoton import LLM, SamplingParams  # noqa: E402
+from jphoton import SamplingParams  # noqa: E402
 
 
 def main(argv=None):
@@ -50,20 +51,14 @@ def main(argv=None):
     bw = read_bandwidth(args.bandwidth_gib)
     print(f"{info}\nread bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     max_b = max(args.batch)
-    ctx_len = args.prompt_len + args.new_tokens
-    page_size = 16
     rows = []
     for depth in args.depths:
         t0 = time.perf_counter()
-        # One context bucket and one prefill shape keep the compile count (and a fresh machine's start-up) small.
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=ctx_len, pipeline_depth=depth, page_size=page_size,
-                  num_kv_pages=max_b * (-(-ctx_len // page_size)) + 8, max_num_seqs=max_b,
-                  decode_buckets=tuple(sorted(set(args.batch))), max_num_batched_tokens=8 * args.prompt_len,
-                  prefill_buckets=((min(8, max_b), args.prompt_len),), progress=True)
+        llm = default_llm(args.model, max_b, dtype=args.dtype, pipeline_depth=depth)
         startup = time.perf_counter() - t0
         itemsize = 4 if args.dtype == "float32" else 2
         wbytes = weight_bytes(llm.config, itemsize)
-        print(f"depth {depth}: start-up (load + compile all buckets) {startup:.1f}s, "
+        print(f"depth {depth}: start-up (load + compile every step shape) {startup:.1f}s, "
               f"compiles so far {llm.stats()['num_compiles']}", flush=True)
         rng = np.random.default_rng(0)
         for b in args.batch:

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
 import sys
 import threading
+import time
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jphoton")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from jphoton import __version__
+
+        return __version__
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -29,30 +42,70 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and decoding details to stderr")
 
 
+def _constraint(args) -> dict:
+    """The one constraint the flags ask for, as SamplingParams keywords (files read here: a bad path is a clear error)."""
+    if args.json_schema is not None:
+        text = _read(args.json_schema, "--json-schema")
+        try:
+            return {"json_schema": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+    if args.grammar is not None:
+        return {"grammar": _read(args.grammar, "--grammar")}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": tuple(args.choice)}
+    return {}
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
 def _cmd_generate(args) -> int:
     from jphoton.api import LLM
     from jphoton.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
+                            **_constraint(args))  # bad values fail here, before the model loads
     # One request: the default engine, each shape compiled when the request first needs it (one prefill shape per
     # chunk size, one decode shape) rather than a warm-up of shapes it would never use.
     llm = LLM(args.model, dtype=args.dtype, progress=True, warmup="off", pipeline_depth=args.pipeline_depth,
               moe_backend=args.moe_backend)
+    if llm.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
     if args.raw:
         prompt = args.prompt
     else:
         prompt = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": args.prompt}])}
-    if llm.tokenizer is None:
-        raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
+    t0 = time.perf_counter()
+    first: list[float] = []
 
     def show(delta):
+        if delta.token_ids and not first:
+            first.append(time.perf_counter())
         sys.stdout.write(delta.text)
         sys.stdout.flush()
 
     result = llm.stream_one(prompt, params, on_delta=show)
+    elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
-    logging.getLogger("jphoton").info("finish_reason=%s, %d tokens", result.finish_reason, len(result.token_ids))
+    sys.stdout.flush()
+    if result.logprobs:
+        for token, logprob, top in result.logprobs:
+            alts = "  ".join(f"{llm.tokenizer.decode([i])!r} {v:.3f}" for i, v in top.items())
+            print(f"{llm.tokenizer.decode([token])!r}\t{logprob:.3f}" + (f"\ttop: {alts}" if alts else ""),
+                  file=sys.stderr)
+    n = len(result.token_ids)
+    decode_s = elapsed - (first[0] - t0) if first else 0.0
+    rate = f", {(n - 1) / decode_s:.1f} tok/s after it" if n > 1 and decode_s > 0 else ""
+    print(f"jphoton: {n} tokens in {elapsed:.2f} s (first after {(first[0] - t0) if first else elapsed:.2f} s{rate}); "
+          f"finish_reason={result.finish_reason}", file=sys.stderr)
     return 0
 
 
@@ -97,6 +150,7 @@ def _cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"jphoton {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     show_defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
@@ -109,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeat the flag for several)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each token's logprob and the top K to stderr")
+    constraint = g.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this schema file")
+    constraint.add_argument("--regex", help="the whole output matches this regular expression")
+    constraint.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is one of these strings (repeat the flag for each)")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar file")
     g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
     g.add_argument("--moe-backend", default="auto", choices=("auto", "warp_decode", "expert_centric"),
                    help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")

@@ -134,4 +134,4 @@ class Sequence:
     def completion(self) -> Completion:
         return Completion(prompt_token_ids=list(self.prompt_ids), token_ids=list(self.output_ids), text=self.text,
                           finish_reason=self.finish_reason or "abort", error=self.error,
-                          logprobs=list(self.logprobs) if self.params.logprobs else None)
+                          logprobs=list(self.logprobs) if self.params.logprobs is not None else None)

@@ -82,16 +82,23 @@ def _decode_cases(llm, case_names: list[str], cases: dict) -> dict:
         prompts = [{"prompt_token_ids": rng.integers(0, llm.config.vocab_size, prompt).tolist()} for _ in range(rows)]
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         llm.generate(prompts, params)  # compiles (or loads) the shapes this case steps through
-        periods = []
+        periods, decode_recs = [], []
         for _ in range(2):
             telemetry.clear()
             llm.generate(prompts, params)
             recs = sorted(telemetry.records, key=lambda r: r.step_id)
             periods += [b.t_launch - a.t_launch for a, b in zip(recs, recs[1:], strict=False)
                         if a.kind == b.kind == "decode"]
+            decode_recs += [r for r in recs if r.kind == "decode"]
         q = np.percentile(periods, [10, 50, 90]) * 1e3
         row = {"ms_step": float(q[1]), "ms_step_p10": float(q[0]), "ms_step_p90": float(q[2]),
                "decode_steps": len(periods)}
+        # Host phases of a decode step (median ms): where a slower tick's time goes.
+        phases = {"plan": ("t_plan", "t_planned"), "dispatch": ("t_put", "t_dispatched"),
+                  "launch": ("t_launch", "t_launched"), "commit_wait": ("t_commit", "t_ready"),
+                  "commit": ("t_ready", "t_committed")}
+        row["host_ms"] = {k: float(np.median([getattr(r, b) - getattr(r, a) for r in decode_recs])) * 1e3
+                          for k, (a, b) in phases.items()}
         context = prompt + NEW_TOKENS // 2
         if hasattr(llm, "device_step_ms"):
             row["device_step_ms"] = llm.device_step_ms(rows, context=context, steps=50)

@@ -32,5 +32,21 @@ def pytest_configure(config):
     jax.monitoring.register_event_listener(_on_event)
 
 
+_per_file: dict = {}
+
+
+def pytest_runtest_protocol(item, nextitem):
+    before, t = _count, time.perf_counter()
+    yield
+    path = item.nodeid.split("::")[0]
+    n, s = _per_file.get(path, (0, 0.0))
+    _per_file[path] = (n + _count - before, s + time.perf_counter() - t)
+
+
+pytest_runtest_protocol.hookwrapper = True
+
+
 def pytest_terminal_summary(terminalreporter):
+    for path, (n, s) in sorted(_per_file.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"  {n:6d} compiles {s:7.1f} s  {path}")
     terminalreporter.write_line(f"XLA compiles in this run: {_count}; wall {time.perf_counter() - _t0:.0f} s")

@@ -33,7 +33,7 @@ from server.metrics import Metrics
 log = logging.getLogger("jphoton.server")
 
 SERVICE_NAME = "jphoton.v1.Engine"
-_SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # proto3 `optional`: unset = the default
+_SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")  # proto3 `optional`: unset = the default
 
 
 class Admission:
@@ -172,6 +172,10 @@ class EngineServicer:
                                 self.metrics.itl.observe((now - last_token_at) / len(d.token_ids))
                         last_token_at = now
                     msg.text += d.text
+                    if out.logprobs:
+                        for token, logprob, top in out.logprobs:
+                            msg.logprobs.add(token_id=token, logprob=logprob, top_token_ids=top.keys(),
+                                             top_logprobs=top.values())
                 out = batch[-1]
                 reason = out.delta.finish_reason
                 if reason is not None:

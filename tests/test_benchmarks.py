@@ -94,9 +94,12 @@ def test_moe_layer_and_e2e():
 def test_serving():
     from benchmarks.serving import main
 
-    result = main(["--model", TINY, "--concurrency", "2", "--requests-per-client", "1", "--prompt-len", "16",
-                   "--new-tokens", "6"])
+    result = main(["--model", TINY, "--concurrency", "3", "--requests-per-client", "2", "--prompt-len", "16",
+                   "--new-tokens", "6", "--client-procs", "2"])
     assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
+    for row in result["rows"]:  # 3 streams over 2 client processes, every request's 6 tokens accounted for
+        assert row["client"]["processes"] == 2 and 0 < row["client"]["max_core_fraction"] < 2
+        assert 1 <= row["tokens_per_message"] <= 6 and row["requests"] == (3 if row["mode"] == "static" else 6)
 
 
 def _hf_llama_handoff(d: pathlib.Path, agree: int, greedy: int):

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import re
 import threading
@@ -290,6 +291,60 @@ def test_constrained_requests_over_grpc(srv):
     srv.wait_idle()
 
 
+def test_logprobs_over_grpc_equal_llm_generate(srv):
+    """SamplingParams.logprobs over gRPC: one TokenLogprob per token, equal to LLM.generate's (greedy and seeded)."""
+    for sampling, params in [
+        (pb.SamplingParams(max_tokens=NEW, temperature=0, logprobs=3), SamplingParams(max_tokens=NEW, temperature=0,
+                                                                                      logprobs=3)),
+        (pb.SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0),
+         SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0)),
+    ]:
+        tokens, _, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=sampling),
+                                                     timeout=60))
+        [ref] = srv.llm.generate(PROMPTS[1], params)
+        got = [lp for m in msgs for lp in m.logprobs]
+        assert tokens == ref.token_ids and len(got) == len(ref.logprobs) == len(tokens)
+        for lp, (token, logprob, top) in zip(got, ref.logprobs, strict=True):
+            assert lp.token_id == token and lp.logprob == pytest.approx(logprob, rel=1e-6, abs=1e-6)
+            assert list(lp.top_token_ids) == list(top) and len(top) == params.logprobs
+            assert list(lp.top_logprobs) == pytest.approx(list(top.values()), rel=1e-6, abs=1e-6)
+        assert not any(m.logprobs for m in srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=GREEDY),
+                                                               timeout=60))  # none unless asked
+    too_many = pb.SamplingParams(max_tokens=2, logprobs=srv.llm.config.max_logprobs + 1)
+    assert _code(lambda: list(srv.stub.Generate(pb.GenerateRequest(text="x", sampling=too_many), timeout=30))) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    srv.wait_idle()
+
+
+OLD_CLIENT = r"""
+import sys
+from server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
+import grpc
+assert "logprobs" not in pb.GenerateResponse.DESCRIPTOR.fields_by_name  # really the old stubs
+stub = pb_grpc.EngineStub(grpc.insecure_channel(sys.argv[1]))
+msgs = list(stub.Generate(pb.GenerateRequest(text=sys.argv[2], sampling=pb.SamplingParams(max_tokens=int(sys.argv[3]),
+                                                                                      temperature=0)), timeout=60))
+stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+print(" ".join(str(t) for m in msgs for t in m.token_ids), msgs[-1].finish_reason, stats.kv_pages_total, sep="|")
+"""
+
+
+def test_a_client_built_from_the_wave_1_proto_still_works(srv):
+    """Stubs generated from 98dc4d0's proto (tests/fixtures/client_98dc4d0) against today's server, in a process of
+    their own (both define jphoton.v1 in protobuf's global pool)."""
+    import subprocess
+    import sys
+
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "client_98dc4d0"
+    proc = subprocess.run([sys.executable, "-c", OLD_CLIENT, f"127.0.0.1:{srv.handle.port}", PROMPTS[0], str(NEW)],
+                          cwd=fixture, env={**os.environ, "PYTHONPATH": str(fixture)}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, reason, pages = proc.stdout.strip().split("|")
+    assert [int(t) for t in tokens.split()] == srv.refs[0].token_ids and reason == srv.refs[0].finish_reason
+    assert int(pages) == srv.stats().kv_pages_total
+
+
 def test_full_queue_is_resource_exhausted(srv):
     admission = srv.handle.server.admission
     admission.capacity = 2
@@ -381,7 +436,8 @@ def test_a_mid_flight_failure_is_aborted_after_the_tokens_so_far():
     fake = _FakeEngine()
     server.servicer.attach = lambda llm: setattr(server.servicer, "engine", fake) or setattr(
         server.servicer, "llm", llm)
-    llm = type("FakeLLM", (), {"model": type("M", (), {"name": "fake"})(), "stats": lambda self: {"num_compiles": 0},
+    stats = {"num_compiles": 0, "shapes_compiled": 0, "shapes_total": 0}
+    llm = type("FakeLLM", (), {"model": type("M", (), {"name": "fake"})(), "stats": lambda self: stats,
                                "has_unfinished_requests": lambda self: False})()
     handle = ServerThread(server).start(llm)
     handle.wait_ready(30)

@@ -1,8 +1,14 @@
-"""`jphoton convert` (orbax store) round trips; random presets have real shapes. (`jphoton generate`: test_readme.py.)"""
+"""`jphoton convert` (orbax store) round trips; random presets have real shapes; `jphoton generate`'s flags (the README's
+commands run in test_readme.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,3 +60,45 @@ def _leaves(tree):
             yield from _leaves(v)
     else:
         yield tree
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _jphoton(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "jphoton", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_with_a_regex_a_stop_and_logprobs():
+    proc = _jphoton("generate", "--temperature", "0", "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{2}", "--stop",
+                    "-", "--logprobs", "2", "Make up a code.")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"[0-9]{3}", proc.stdout.strip()), proc.stdout  # the regex's digits, cut at the stop string
+    lines = [ln for ln in proc.stderr.splitlines() if "\t" in ln]
+    assert lines and all(ln.count("top: ") == 1 and ln.count("  ") >= 1 for ln in lines), proc.stderr[-2000:]
+    summary = re.search(r"jphoton: (\d+) tokens in [\d.]+ s \(first after [\d.]+ s, [\d.]+ tok/s after it\); "
+                        r"finish_reason=stop", proc.stderr)
+    assert summary and int(summary.group(1)) == len(lines), proc.stderr[-2000:]
+
+
+def test_generate_flags_are_checked_before_the_model_loads(tmp_path):
+    from jphoton.cli import _constraint
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object"}))
+    args = type("Args", (), {"json_schema": str(schema), "grammar": None, "regex": None, "choice": None})()
+    assert _constraint(args) == {"json_schema": {"type": "object"}}
+    schema.write_text("{not json")
+    assert main(["generate", "--json-schema", str(schema), "x"]) == 2
+    assert main(["generate", "--json-schema", str(tmp_path / "missing.json"), "x"]) == 2
+    assert main(["generate", "--logprobs", "-1", "x"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--regex", "a", "--choice", "b", "x"])
+    assert e.value.code == 2
+
+
+def test_version():
+    proc = _jphoton("--version", timeout=60)
+    assert proc.returncode == 0 and re.fullmatch(r"jphoton \d+\.\d+\.\d+", proc.stdout.strip()), proc

@@ -192,7 +192,7 @@ class Engine:
                     continue
                 delta = seq.append(token, grammar_done=verdict.done)
                 lp = None
-                if seq.params.logprobs and result.logprobs is not None:
+                if seq.params.logprobs is not None and result.logprobs is not None:
                     k = seq.params.logprobs
                     lp = [(token, float(result.logprobs[row.out_row, 0]),
                            {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],

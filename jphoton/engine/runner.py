@@ -192,7 +192,7 @@ class Runner:
         the mask words all ones, or None (the usual case: the fused sampler in the step is enough)."""
         filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
                        for r in plan.rows)
-        want_lp = any(r.seq.params.logprobs for r in plan.rows)
+        want_lp = any(r.seq.params.logprobs is not None for r in plan.rows)  # 0: the chosen token's only
         if not filtered and not want_lp and not masked:
             return None
         inp = self._sampler_input(SamplerVariant(filtered, self.max_logprobs if want_lp else 0, masked))
