@@ -74,6 +74,7 @@ class LLM:
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._lock = threading.Lock()  # request ids and seeds, when callers prepare requests from several threads
+        self._driver: int | None = None  # the thread that owns the loop while an AsyncLLM drives this LLM
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
         log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
@@ -140,12 +141,14 @@ class LLM:
     def add_request(self, prompt: Prompt | Sequence, params: SamplingParams | None = None) -> int:
         """Queue a request (a prompt, or what `prepare_request` returned) and return its id; `step` runs it."""
         seq = prompt if isinstance(prompt, Sequence) else self.prepare_request(prompt, params)
+        self._check_driver()
         self.engine.add(seq)
         return seq.request_id
 
     def step(self) -> list[RequestOutput]:
         """One engine tick: launch the next step, commit the one before, finalize grammar sampling. Returns what each
         request got (its last output has `finished` set). Outputs of `generate`/`stream` requests go to them too."""
+        self._check_driver()
         outputs = self.engine.step()
         for out in outputs:
             queue = self._outputs.get(out.request_id)
@@ -156,6 +159,7 @@ class LLM:
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish_reason "abort"); its KV pages come back once no launched step references it.
         Returns its last output, or None if it is unknown or already finished."""
+        self._check_driver()
         return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -203,7 +207,14 @@ class LLM:
         finally:
             self._close(seq)
 
+    def _check_driver(self) -> None:
+        """The engine state has one owner: an AsyncLLM's thread while one drives this LLM (else whoever calls)."""
+        if self._driver is not None and self._driver != threading.get_ident():
+            raise RuntimeError("an AsyncLLM (or the server) drives this LLM from its engine thread: generate through "
+                               "it, or shut it down first")
+
     def _submit(self, seq: Sequence) -> None:
+        self._check_driver()
         self._outputs[seq.request_id] = collections.deque()
         self.engine.add(seq)
 

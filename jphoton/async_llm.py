@@ -76,6 +76,7 @@ class AsyncLLM:
     # ---- the engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         llm = self.llm
+        llm._driver = threading.get_ident()  # from now on only this thread may step the LLM (LLM._check_driver)
         try:
             while not self._stop:
                 self._drain_commands()
@@ -90,6 +91,8 @@ class AsyncLLM:
             self._error = e
             for loop, sink in list(self._sinks.values()):
                 loop.call_soon_threadsafe(sink.put_nowait, None)
+        finally:
+            llm._driver = None
 
     def _drain_commands(self) -> None:
         while True:

@@ -31,6 +31,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 CHAT = "What is 2+2?"
 NEW = 8  # tokens per stream: small, CPU time is the budget
 GREEDY = pb.SamplingParams(max_tokens=NEW, temperature=0)
+LOGPROB_CASES = [  # (over gRPC, through LLM.generate): greedy with the top 3, seeded with the chosen token's only
+    (pb.SamplingParams(max_tokens=NEW, temperature=0, logprobs=3), SamplingParams(max_tokens=NEW, temperature=0,
+                                                                                  logprobs=3)),
+    (pb.SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0),
+     SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0)),
+]
 
 
 @dataclasses.dataclass
@@ -41,6 +47,7 @@ class Harness:
     health: health_pb2_grpc.HealthStub
     llm: object
     refs: list  # LLM.generate's completions of PROMPTS, greedy, NEW tokens
+    lp_refs: list  # LLM.generate's completions of LOGPROB_CASES
     chat_ref: object
     status_while_loading: int
     code_while_loading: grpc.StatusCode
@@ -65,6 +72,7 @@ def srv(embedded_llm):
     # References first: once the server runs, its engine thread owns the LLM.
     refs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0))
     [chat_ref] = llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=NEW, temperature=0))
+    lp_refs = [llm.generate(PROMPTS[1], params)[0] for _, params in LOGPROB_CASES]  # one at a time, as served
     gate = threading.Event()
 
     def load():  # the model "loads" until the test has looked at the server in that state
@@ -79,7 +87,7 @@ def srv(embedded_llm):
         list(stub.Generate(pb.GenerateRequest(text="hi", sampling=GREEDY), timeout=10))
     gate.set()
     handle.wait_ready(120)
-    yield Harness(handle, channel, stub, health, llm, refs, chat_ref, loading, e.value.code())
+    yield Harness(handle, channel, stub, health, llm, refs, lp_refs, chat_ref, loading, e.value.code())
     channel.close()
     handle.stop(grace=5)
 
@@ -293,26 +301,32 @@ def test_constrained_requests_over_grpc(srv):
 
 def test_logprobs_over_grpc_equal_llm_generate(srv):
     """SamplingParams.logprobs over gRPC: one TokenLogprob per token, equal to LLM.generate's (greedy and seeded)."""
-    for sampling, params in [
-        (pb.SamplingParams(max_tokens=NEW, temperature=0, logprobs=3), SamplingParams(max_tokens=NEW, temperature=0,
-                                                                                      logprobs=3)),
-        (pb.SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0),
-         SamplingParams(max_tokens=NEW, temperature=0.9, seed=5, logprobs=0)),
-    ]:
+    for (sampling, params), ref in zip(LOGPROB_CASES, srv.lp_refs, strict=True):
         tokens, _, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=sampling),
                                                      timeout=60))
-        [ref] = srv.llm.generate(PROMPTS[1], params)
         got = [lp for m in msgs for lp in m.logprobs]
         assert tokens == ref.token_ids and len(got) == len(ref.logprobs) == len(tokens)
         for lp, (token, logprob, top) in zip(got, ref.logprobs, strict=True):
             assert lp.token_id == token and lp.logprob == pytest.approx(logprob, rel=1e-6, abs=1e-6)
             assert list(lp.top_token_ids) == list(top) and len(top) == params.logprobs
             assert list(lp.top_logprobs) == pytest.approx(list(top.values()), rel=1e-6, abs=1e-6)
-        assert not any(m.logprobs for m in srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=GREEDY),
-                                                               timeout=60))  # none unless asked
-    too_many = pb.SamplingParams(max_tokens=2, logprobs=srv.llm.config.max_logprobs + 1)
+    assert not any(m.logprobs for m in srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=GREEDY),
+                                                           timeout=60))  # none unless asked
+    too_many = pb.SamplingParams(max_tokens=2, logprobs=srv.llm.engine_config.max_logprobs + 1)
     assert _code(lambda: list(srv.stub.Generate(pb.GenerateRequest(text="x", sampling=too_many), timeout=30))) == \
         grpc.StatusCode.INVALID_ARGUMENT
+    srv.wait_idle()
+
+
+def test_the_served_llm_refuses_a_second_driver(srv):
+    """While the server's engine thread drives the LLM, stepping it from another thread is a clear error, not a
+    corrupted engine: the server keeps serving."""
+    with pytest.raises(RuntimeError, match="drives this LLM"):
+        srv.llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="drives this LLM"):
+        srv.llm.step()
+    tokens, _, _ = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=GREEDY), timeout=60))
+    assert tokens == srv.refs[0].token_ids
     srv.wait_idle()
 
 
