@@ -219,9 +219,10 @@ class Scheduler:
         path (benchmarks/host_overhead.py: 128 rows took ~2.5 us each with helper calls and property reads)."""
         rows: list[Row] = []
         limit = self._decode_limit()
-        if len(self.running) > limit and self.ready is not None:
-            self.wanted = self.wanted or next((StepShape(d, 0, 0, 0) for d in self.config.decode_buckets
-                                               if d > limit and not self._is_ready(StepShape(d, 0, 0, 0))), None)
+        if len(self.running) > limit and self.ready is not None:  # the next larger decode bucket is wanted
+            ctx = self.config.context_buckets[-1] if self._static_decode() else 0
+            self.wanted = self.wanted or next((StepShape(d, 0, 0, ctx) for d in self.config.decode_buckets
+                                               if d > limit and not self._is_ready(StepShape(d, 0, 0, ctx))), None)
         page_size = self.pages.page_size
         # `running` is in admission order (admission appends, preemption removes), so no sort is needed for FIFO; the
         # copy is because a page reservation may preempt (remove) other sequences while we walk.
