@@ -35,7 +35,6 @@ def _compile(runner, shape) -> tuple[float, float]:
 
 def probe(model: str, variant: str, serial: int, parallel: int, threads: int, rows: list[int]) -> dict:
     from jphoton import LLM
-    from jphoton.engine.runner import all_shapes
     from jphoton.models import llama
 
     unroll = variant != "scanned"
@@ -45,7 +44,7 @@ def probe(model: str, variant: str, serial: int, parallel: int, threads: int, ro
     llm = LLM(model, warmup=False, progress=False, unroll_layers=unroll, freeze_gc=False)
     load_s = time.perf_counter() - t0
     runner = llm.engine.runner
-    shapes = all_shapes(runner.sched)
+    shapes = runner.sched.all_shapes()
     picked = shapes[:: max(1, len(shapes) // (serial + parallel))][: serial + parallel]
     out = {"variant": variant, "unroll_layers": unroll, "num_shapes_default": len(shapes), "load_s": load_s,
            "serial": [], "parallel": {}}

@@ -20,7 +20,7 @@ import numpy as np
 
 from jphoton.constraints import mask_words
 from jphoton.engine.config import EngineConfig
-from jphoton.engine.scheduler import SchedulerConfig, StepPlan, StepShape
+from jphoton.engine.scheduler import StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
@@ -44,10 +44,6 @@ def _input_transfer():
     return jax.transfer_guard_host_to_device("allow")
 
 
-def all_shapes(cfg: SchedulerConfig) -> list[StepShape]:
-    return cfg.all_shapes()
-
-
 class Runner:
     def __init__(self, model, config: EngineConfig, num_pages: int, pages_per_block: int = 8):
         cfg = model.config
@@ -63,7 +59,7 @@ class Runner:
                                  pallas_decode=self.sched.pallas_decode)
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
-        self.packed_size = max(StepLayout(s, self.static).size for s in all_shapes(self.sched))
+        self.packed_size = max(StepLayout(s, self.static).size for s in self.sched.all_shapes())
         self.max_logprobs = config.max_logprobs
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
@@ -131,7 +127,7 @@ class Runner:
 
     def warmup(self, shapes: Iterable[StepShape] | None = None, progress: bool = False) -> float:
         """Compile every given step shape (default: all) and every second sampler now, so serving never compiles."""
-        shapes = list(shapes if shapes is not None else all_shapes(self.sched))
+        shapes = list(shapes if shapes is not None else self.sched.all_shapes())
         t0 = time.perf_counter()
         it = shapes
         if progress:
