@@ -294,20 +294,27 @@ def engine_kwargs(args) -> dict:
 
 
 def serve_child(spec: dict) -> None:
-    from benchmarks.common import device_info
+    """`jphoton serve`'s path: the engine in a process of its own (spec["server"] == "process", server/engine_process.py)
+    or in a thread of the server process ("thread", `jphoton serve --in-process`)."""
+    import functools
+
     from server.app import run_until_signal
+    from server.engine_process import Spawn
 
-    print("device: " + json.dumps(device_info()), flush=True)  # the client must not touch the accelerator itself
+    build = functools.partial(build_engine, spec)
+    model = Spawn(build) if spec["server"] == "process" else build
+    asyncio.run(run_until_signal(model, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"]))
 
-    def build():
-        from benchmarks.common import default_llm
 
-        llm = default_llm(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])  # all shapes ready
-        if spec["baseline"]:
-            engine_baseline(llm, spec)
-        return llm
+def build_engine(spec: dict):
+    """Runs where the engine will run (the engine process, or the server's loader thread)."""
+    from benchmarks.common import default_llm, device_info
 
-    asyncio.run(run_until_signal(build, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"]))
+    print("device: " + json.dumps(device_info()), flush=True)
+    llm = default_llm(spec["model"], dtype=spec["dtype"], progress=False, **spec["engine"])  # all shapes ready
+    if spec["baseline"]:
+        engine_baseline(llm, spec)
+    return llm
 
 
 def engine_baseline(llm, spec: dict) -> None:
@@ -326,22 +333,19 @@ def engine_baseline(llm, spec: dict) -> None:
                                          "compiles_during_run": r.compiles_during_run}), flush=True)
 
 
-def start_server(args) -> tuple[subprocess.Popen, str, dict]:
-    spec = {"model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
+def start_server(args, server: str) -> tuple[subprocess.Popen, str, dict]:
+    spec = {"server": server, "model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
             "switch_interval": args.switch_interval, "baseline": args.engine_baseline,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     print(f"server: {spec}", flush=True)
     child = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
-    info = {}
-    for line in child.stdout:  # "device: {...}", then "jphoton: gRPC on HOST:PORT ..."
+    for line in child.stdout:  # "jphoton: gRPC on HOST:PORT ..."
         sys.stdout.write("server: " + line)
-        if line.startswith("device: "):
-            info = json.loads(line[len("device: "):])
         if "gRPC on" in line:
             address = line.split("gRPC on ", 1)[1].split()[0]
             threading.Thread(target=_forward, args=(child.stdout,), daemon=True).start()  # never let its pipe fill
-            return child, address, info
+            return child, address
     raise RuntimeError(f"server exited with {child.wait()}")
 
 
@@ -359,9 +363,14 @@ def _die_with_parent() -> None:
 BASELINE: dict[int, dict] = {}  # concurrency -> the engine alone, as the server child reported it
 
 
+DEVICE: dict = {}  # the device as the engine's process reported it (this process never touches the accelerator)
+
+
 def _forward(stream) -> None:
     for line in stream:
         sys.stdout.write("server: " + line)
+        if line.startswith("device: "):
+            DEVICE.update(json.loads(line[len("device: "):]))
         if line.startswith("baseline: "):
             row = json.loads(line[len("baseline: "):])
             BASELINE[row["concurrency"]] = row
@@ -372,6 +381,9 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--connect", default=None, help="HOST:PORT of a running server (default: start one)")
+    ap.add_argument("--servers", nargs="+", default=["process"], choices=("process", "thread"),
+                    help="start a server of each kind in turn, same load: the engine in its own process (what `jphoton "
+                         "serve` runs) or in a thread of the server process (`jphoton serve --in-process`)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
     ap.add_argument("--requests-per-client", type=int, default=4, help="R: staggered requests per client")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -397,25 +409,39 @@ def main(argv=None):
         serve_child(json.loads(args.serve))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when `timeout` stops us
-    child, info = None, {}
     t0 = time.perf_counter()
-    if args.connect:
-        address = args.connect
-    else:
-        child, address, info = start_server(args)
-    try:
-        result = asyncio.run(bench(args, address))
-    finally:
-        if child is not None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+    runs = []
+    for server in [None] if args.connect else args.servers:
+        child = None
+        BASELINE.clear()
+        if server is None:
+            address = args.connect
+        else:
+            print(f"=== server: engine in a {server}", flush=True)
+            child, address = start_server(args, server)
+        try:
+            run = asyncio.run(bench(args, address))
+        finally:
+            if child is not None:
+                child.send_signal(signal.SIGTERM)
+                try:
+                    child.wait(60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+        for row in run["rows"]:
+            row["server"] = server or "connected"
+        runs.append(run)
+    result = {**runs[0], "rows": [r for run in runs for r in run["rows"]],
+              "compiles_after_warmup": sum(run["compiles_after_warmup"] for run in runs)}
+    if len(runs) > 1:  # process vs thread, same load, same call
+        for c in args.concurrency:
+            rate = {r["server"]: r["decode_tok_s"] for r in result["rows"] if r["concurrency"] == c and r["mode"] == "static"}
+            print(f"C={c:3d} static: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rate.items())
+                  + (f"; process / thread {rate['process'] / rate['thread']:.3f}" if len(rate) == 2 else ""), flush=True)
     result["args"] = vars(args)
     result["engine"] = None if args.connect else engine_kwargs(args)
     result["total_s"] = time.perf_counter() - t0
-    result["info"] = info
+    result["info"] = dict(DEVICE)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -13,6 +13,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+import jax
+
 from jphoton.api import LLM, Prompt
 from jphoton.params import SamplingParams
 from jphoton.sequence import RequestOutput
@@ -68,6 +70,20 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.llm.stats()
 
+    async def fresh_stats(self) -> dict:
+        return self.llm.stats()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.llm.has_unfinished_requests()
+
+    def chat_prompt(self, messages: list[dict]) -> dict:
+        """The prompt `submit` takes for a chat (the chat template applied). Raises ValueError without a tokenizer."""
+        return {"prompt_token_ids": self.llm.encode_chat(messages)}
+
+    @property
+    def info(self) -> dict:
+        return model_info(self.llm)
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -121,3 +137,11 @@ class AsyncLLM:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             pass
+
+
+def model_info(llm: LLM) -> dict:
+    """What the server's GetModelInfo reports about `llm`."""
+    leaves = jax.tree_util.tree_leaves(llm.model.params)
+    return {"name": llm.model.name or llm.config.name, "architecture": llm.config.architecture,
+            "vocab_size": llm.config.vocab_size, "max_context": llm.max_model_len,
+            "dtype": leaves[0].dtype.name if leaves else ""}

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from server.engine_process import EngineProcess, Spawn
 from server.metrics import Metrics
 from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
 
@@ -47,6 +48,7 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.health: health.aio.HealthServicer | None = None  # grpc.aio objects are made on the serving loop, in start()
         self._grpc: grpc.aio.Server | None = None
+        self._engine_process: EngineProcess | None = None
         self._stopped = False
 
     @property
@@ -79,19 +81,27 @@ class Server:
                  f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
         return self.port
 
-    async def load(self, model: Callable[[], object] | object) -> None:
-        """Serve `model`: an LLM, or a zero-argument callable that builds one (run in a worker thread, so health
-        checks are answered while it loads and compiles). Health turns SERVING when it is ready."""
+    async def load(self, model: Spawn | Callable[[], object] | object) -> None:
+        """Serve `model`: `Spawn(build)` (the LLM built and run in a child process: what `jphoton serve` does), an LLM,
+        or a zero-argument callable that builds one (in a worker thread of this process). Health checks are answered
+        while it loads and compiles; health turns SERVING when it is ready."""
         t0 = time.perf_counter()
-        llm = await _in_daemon_thread(model) if callable(model) else model
+        if isinstance(model, Spawn):
+            llm = EngineProcess(model)
+            self._engine_process = llm
+            await _in_daemon_thread(llm.start)
+            llm.attach(asyncio.get_running_loop())
+        else:
+            llm = await _in_daemon_thread(model) if callable(model) else model
         if self._stopped:
             return
         self.servicer.attach(llm)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        stats = llm.stats()
-        log.info("SERVING %s (ready in %.1f s, %d compiles so far, %d of %d step shapes ready)",
-                 llm.model.name or llm.config.name, time.perf_counter() - t0, stats["num_compiles"],
+        stats = self.servicer.engine.stats()
+        log.info("SERVING %s (ready in %.1f s%s, %d compiles so far, %d of %d step shapes ready)",
+                 self.servicer.engine.info["name"], time.perf_counter() - t0,
+                 f", engine process {llm.pid}" if isinstance(llm, EngineProcess) else "", stats["num_compiles"],
                  stats["shapes_compiled"], stats["shapes_total"])
 
     async def stop(self, grace: float = 30.0) -> None:
@@ -106,11 +116,13 @@ class Server:
         engine = self.servicer.engine
         if engine is not None:
             # Cancelled streams queued aborts; let the engine loop run them so the LLM is left clean (it may be reused
-            # in this process, as the tests do).
+            # in this process, as the tests do; an engine process frees its pages before it exits).
             deadline = time.monotonic() + 10
-            while self.llm.has_unfinished_requests() and time.monotonic() < deadline:
+            while engine.has_unfinished_requests() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             await asyncio.to_thread(engine.shutdown)
+        elif self._engine_process is not None:  # stopped while the child was still building its LLM
+            await asyncio.to_thread(self._engine_process.shutdown, 5)
         self.metrics.close()
         log.info("server stopped")
 

@@ -22,12 +22,12 @@ import logging
 import time
 
 import grpc
-import jax
 from google.protobuf.message import DecodeError
 
 from jphoton.async_llm import AsyncLLM
 from jphoton.params import SamplingParams
 from server import jphoton_pb2 as pb
+from server.engine_process import EngineProcess, Rejected
 from server.metrics import Metrics
 
 log = logging.getLogger("jphoton.server")
@@ -67,21 +67,25 @@ class EngineServicer:
     def __init__(self, admission: Admission, metrics: Metrics | None = None):
         self.admission = admission
         self.metrics = metrics
-        self.llm = None
-        self.engine: AsyncLLM | None = None
+        self.llm = None  # the LLM when it runs in this process (AsyncLLM), else None
+        self.engine: AsyncLLM | EngineProcess | None = None
         self.draining = False
         self._live: dict[str, int] = {}  # client request id -> engine request id, while the stream is open
         self._auto_ids = itertools.count()
 
     def attach(self, llm) -> None:
-        """Start serving `llm` (already warmed up): its engine loop runs in AsyncLLM's thread."""
-        self.llm = llm
-        self.engine = AsyncLLM(llm)
+        """Start serving `llm` (an LLM in this process, its loop in AsyncLLM's thread; or a started EngineProcess)."""
+        if isinstance(llm, EngineProcess):
+            self.engine = llm
+        else:
+            self.llm = llm
+            self.engine = AsyncLLM(llm)
 
-    def stats(self) -> dict | None:
-        if self.llm is None:
+    def stats(self, engine_stats: dict | None = None) -> dict | None:
+        if self.engine is None:
             return None
-        return {**self.llm.stats(), "queued": self.admission.count, "max_queue": self.admission.capacity}
+        s = engine_stats if engine_stats is not None else self.engine.stats()
+        return {**s, "queued": self.admission.count, "max_queue": self.admission.capacity}
 
     # ---- RPCs ------------------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -105,7 +109,7 @@ class EngineServicer:
                 engine_id, outputs = engine.submit(prompt, params)
             except ValueError as e:
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:  # the engine loop died
+            except RuntimeError as e:  # the engine loop (or process) died
                 await self._fail(context, grpc.StatusCode.INTERNAL, str(e))
             self._live[rid] = engine_id
             try:
@@ -125,16 +129,12 @@ class EngineServicer:
         return pb.AbortResponse(found=engine_id is not None)
 
     async def GetModelInfo(self, request, context):
-        await self._ready(context, draining_ok=True)
-        llm = self.llm
-        leaves = jax.tree_util.tree_leaves(llm.model.params)
-        return pb.ModelInfo(name=llm.model.name or llm.config.name, architecture=llm.config.architecture,
-                            vocab_size=llm.config.vocab_size, max_context=llm.max_model_len,
-                            dtype=leaves[0].dtype.name if leaves else "")
+        engine = await self._ready(context, draining_ok=True)
+        return pb.ModelInfo(**engine.info)
 
     async def GetStats(self, request, context):
-        await self._ready(context, draining_ok=True)
-        s = self.stats()
+        engine = await self._ready(context, draining_ok=True)
+        s = self.stats(await engine.fresh_stats())
         return pb.Stats(kv_pages_total=s["kv_pages_total"], kv_pages_free=s["kv_pages_free"], running=s["running"],
                         waiting=s["waiting"], num_compiles=s["num_compiles"], queued=s["queued"],
                         max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0),
@@ -152,6 +152,9 @@ class EngineServicer:
         try:
             while not finished:
                 batch = [await outputs.get()]
+                if first and isinstance(batch[0], Rejected):  # the engine process refused it: nothing was queued
+                    finished = True
+                    await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, batch[0].message)
                 while batch[-1] is not None and batch[-1].delta.finish_reason is None and not outputs.empty():
                     batch.append(outputs.get_nowait())
                 if batch[-1] is None:
@@ -220,7 +223,7 @@ class EngineServicer:
         if not request.text:
             raise ValueError("empty prompt: text is empty")
         if request.chat:
-            return {"prompt_token_ids": self.llm.encode_chat([{"role": "user", "content": request.text}])}
+            return self.engine.chat_prompt([{"role": "user", "content": request.text}])
         return request.text
 
     def _new_id(self) -> str:

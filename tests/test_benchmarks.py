@@ -95,8 +95,10 @@ def test_serving():
     from benchmarks.serving import main
 
     result = main(["--model", TINY, "--concurrency", "3", "--requests-per-client", "2", "--prompt-len", "16",
-                   "--new-tokens", "6", "--client-procs", "2"])
+                   "--new-tokens", "6", "--client-procs", "2", "--servers", "process", "thread"])
     assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
+    assert [r["server"] for r in result["rows"]] == ["process", "process", "thread", "thread"]
+    assert result["info"]["backend"] == "cpu"  # reported by the engine's process
     for row in result["rows"]:  # 3 streams over 2 client processes, every request's 6 tokens accounted for
         assert row["client"]["processes"] == 2 and 0 < row["client"]["max_core_fraction"] < 2
         assert 1 <= row["tokens_per_message"] <= 6 and row["requests"] == (3 if row["mode"] == "static" else 6)

@@ -441,6 +441,14 @@ class _FakeEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
+    def stats(self):
+        return {"num_compiles": 0, "shapes_compiled": 0, "shapes_total": 0}
+
+    info = {"name": "fake"}
+
+    def has_unfinished_requests(self):
+        return False
+
     def shutdown(self):
         pass
 

@@ -1,0 +1,365 @@
+"""The engine in a child process of its own, behind AsyncLLM's interface: what `jphoton serve` runs.
+
+Why a process: in one process the engine thread and the gRPC event loop share the GIL. Under load the event loop is
+busy building and writing messages, and the engine thread waits for the GIL each time the device finishes a step; on
+the H100 the served decode ran at 0.35-0.39x of the engine alone (RESULTS.md, "gRPC serving"). In its own process the
+engine loop runs as it does under `LLM.generate`, and the server process spends all of its own time on gRPC.
+
+Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params),
+("abort", id), ("stats", nonce), ("shutdown",). Up: one list of events per engine tick, however many requests it
+served: ("out", id, token_ids, text, finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id,
+message) for a request the engine refused (ValueError: bad input; nothing was queued), ("stats", nonce, dict). The
+server assigns request ids itself, so submitting never waits for the child.
+
+Detokenization and stop strings stay with the sequence in the engine process (as under `LLM.generate`): the text that
+streams is the text the engine stops on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from jphoton.async_llm import model_info
+from jphoton.params import SamplingParams
+from jphoton.sequence import Delta, RequestOutput
+
+log = logging.getLogger("jphoton.server")
+
+_STATS_EVERY_S = 0.25  # the child pushes a stats snapshot this often while busy (metrics scrapes read it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawn:
+    """Serve the LLM that `build()` returns from a child process (`Server.load(Spawn(...))`). `build` must be
+    picklable: a module-level function or a `functools.partial` of one (e.g. of `jphoton.LLM`)."""
+
+    build: Callable[[], Any]
+    start_timeout: float | None = None  # seconds for the child to build the LLM (None: no limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """The first (and only) item on a request's output queue when the engine refused it (bad input)."""
+
+    message: str
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """Start with `start()` (blocking: the child builds the LLM; run it off the event loop), then `attach(loop)`."""
+
+    def __init__(self, spawn: Spawn):
+        self.spawn = spawn
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may have initialised CUDA or XLA
+        self._down_recv, self._down = ctx.Pipe(duplex=False)
+        self._up, self._up_send = ctx.Pipe(duplex=False)
+        # The child logs as this process does (its records go to the same stderr, marked "engine").
+        levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
+        self._proc = ctx.Process(target=_child_main, args=(spawn.build, self._down_recv, self._up_send, levels),
+                                 name="jphoton-engine", daemon=True)
+        self._start_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # submit/abort on the loop, stats() from a metrics scrape thread
+        self._ids = itertools.count()
+        self._sinks: dict[int, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: str | None = None
+        self._closing = False
+        self.info: dict = {}
+        self.last_stats: dict = {}
+
+    # ---- life cycle ------------------------------------------------------------------------------------------------
+    def start(self) -> dict:
+        """Spawn the child and wait until its LLM is built (first step shapes compiled). Returns the model info.
+        Re-raises the child's exception if building failed."""
+        with self._start_lock:
+            if self._closing:
+                raise EngineDied("the server stopped before the engine process started")
+            self._proc.start()
+        self._down_recv.close()
+        self._up_send.close()
+        if not self._up.poll(self.spawn.start_timeout):
+            self._proc.kill()
+            raise TimeoutError(f"the engine process did not start in {self.spawn.start_timeout} s")
+        try:
+            kind, payload = pickle.loads(self._up.recv_bytes())
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise EngineDied(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if kind == "failed":
+            self._proc.join(30)
+            raise payload
+        self.info, self.last_stats = payload
+        return self.info
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver outputs on `loop` (where submit is called): a reader thread unpickles each tick's events and hands
+        them to the loop in one call."""
+        self._loop = loop
+        threading.Thread(target=self._read, name="jphoton-engine-reader", daemon=True).start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left, let the child free its pages and exit; kill it if it does not within `timeout`."""
+        with self._start_lock:
+            self._closing = True
+            if self._proc.pid is None:  # never started (the server stopped while loading)
+                return
+        try:
+            self._send(("shutdown",))
+        except EngineDied:
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not exit in %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # ---- AsyncLLM's interface (called on the attached loop) ----------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None) -> tuple[int, asyncio.Queue]:
+        """Queue a request; returns (id, queue of RequestOutputs). A request the engine refuses gets one `Rejected`."""
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error}")
+        rid = next(self._ids)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._sinks[rid] = outputs
+        self._send(("add", rid, prompt, params))
+        return rid, outputs
+
+    def abort(self, request_id: int) -> None:
+        if self._error is None:
+            self._send(("abort", request_id))
+
+    def chat_prompt(self, messages: list[dict]):
+        return ("chat", messages)  # the child applies the chat template (it has the tokenizer)
+
+    def stats(self) -> dict:
+        """The child's latest snapshot (at most ~0.25 s old while it is busy, exact once it is idle)."""
+        return self.last_stats
+
+    async def fresh_stats(self, timeout: float = 5.0) -> dict:
+        """The child's stats now (after every command sent before this call has been handled)."""
+        if self._error is not None:
+            return self.last_stats
+        nonce = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        self._send(("stats", nonce))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return self.last_stats
+        finally:
+            self._stats_waiters.pop(nonce, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._sinks)
+
+    # ---- internals ---------------------------------------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._down.send_bytes(data)
+        except (OSError, ValueError) as e:  # the child is gone
+            raise EngineDied(f"the engine process is gone: {e}") from None
+
+    def _read(self) -> None:
+        loop = self._loop
+        while True:
+            try:
+                events = pickle.loads(self._up.recv_bytes())
+            except (EOFError, OSError):
+                break
+            try:
+                loop.call_soon_threadsafe(self._dispatch, events)
+            except RuntimeError:  # the loop is closed
+                return
+        self._proc.join(5)
+        code = self._proc.exitcode
+        try:
+            loop.call_soon_threadsafe(self._died, f"the engine process exited (exit code {code})")
+        except RuntimeError:
+            pass
+
+    def _dispatch(self, events: list) -> None:
+        for ev in events:
+            kind = ev[0]
+            if kind == "out":
+                _, rid, token_ids, text, reason, logprobs, prompt_tokens, completion_tokens, error = ev
+                sink = self._sinks.get(rid)
+                if sink is None:
+                    continue
+                if reason is not None:
+                    del self._sinks[rid]
+                sink.put_nowait(RequestOutput(rid, Delta(token_ids, text, reason), logprobs, prompt_tokens,
+                                              completion_tokens, error))
+            elif kind == "reject":
+                sink = self._sinks.pop(ev[1], None)
+                if sink is not None:
+                    sink.put_nowait(Rejected(ev[2]))
+            elif kind == "stats":
+                self.last_stats = ev[2]
+                fut = self._stats_waiters.get(ev[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(ev[2])
+            elif kind == "fatal":
+                self._died(ev[1])
+
+    def _died(self, why: str) -> None:
+        if self._error is not None:
+            return
+        self._error = why
+        (log.info if self._closing else log.error)("engine process: %s", why)
+        for sink in self._sinks.values():
+            sink.put_nowait(None)  # the servicer answers INTERNAL
+        self._sinks.clear()
+
+
+# ---- the child -------------------------------------------------------------------------------------------------------
+def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, int]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: the server drains us
+    logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s")
+    logging.getLogger("jphoton").setLevel(levels[1])
+    try:
+        llm = build()
+    except BaseException as e:  # noqa: BLE001 - report any failure to the parent, which re-raises it
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            e = RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        events.send_bytes(pickle.dumps(("failed", e)))
+        return
+    events.send_bytes(pickle.dumps(("ready", (model_info(llm), llm.stats()))))
+    try:
+        _EngineLoop(llm, commands, events).run()
+    except BaseException as e:  # a bug, not bad input: the server fails every open stream with INTERNAL
+        logging.getLogger("jphoton").exception("engine loop died")
+        try:
+            events.send_bytes(pickle.dumps([("fatal", f"engine loop died: {e!r}")]))
+        except OSError:
+            pass
+        raise
+
+
+class _EngineLoop:
+    """The child's loop: drain commands, step, send one list of events per tick."""
+
+    def __init__(self, llm, commands, events):
+        self.llm, self.commands, self.events = llm, commands, events
+        self.front_id: dict[int, int] = {}  # engine request id -> server id
+        self.engine_id: dict[int, int] = {}  # server id -> engine request id
+        self.stopping = False
+        self.out: list = []
+        self.stats_at = 0.0
+
+    def run(self) -> None:
+        llm = self.llm
+        while True:
+            busy = llm.has_unfinished_requests()
+            # Block on the pipe only when there is nothing to step (the first command wakes us).
+            if self.commands.poll(0 if busy else 0.5):
+                self._drain()
+            if llm.has_unfinished_requests():
+                for o in llm.step():
+                    self._output(o)
+                now = time.monotonic()
+                if now - self.stats_at > _STATS_EVERY_S:
+                    self.stats_at = now
+                    self.out.append(("stats", -1, llm.stats()))
+            elif busy:  # just went idle: an exact snapshot (pages all back)
+                self.out.append(("stats", -1, llm.stats()))
+            if self.out:
+                self.events.send_bytes(pickle.dumps(self.out, protocol=pickle.HIGHEST_PROTOCOL))
+                self.out = []
+            if self.stopping and not llm.has_unfinished_requests():
+                return
+
+    def _drain(self) -> None:
+        llm = self.llm
+        while self.commands.poll(0):
+            try:
+                cmd = pickle.loads(self.commands.recv_bytes())
+            except EOFError:  # the server is gone: stop serving
+                self._abort_all()
+                self.stopping = True
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params = cmd
+                try:
+                    if isinstance(prompt, tuple) and prompt[0] == "chat":
+                        prompt = {"prompt_token_ids": llm.encode_chat(prompt[1])}
+                    seq = llm.prepare_request(prompt, params)
+                except ValueError as e:
+                    self.out.append(("reject", rid, str(e)))
+                    continue
+                if self.stopping:
+                    self._output(seq.output(seq.finish("abort")), rid)
+                    continue
+                self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
+                try:
+                    llm.add_request(seq)
+                except ValueError as e:
+                    self._output(seq.output(seq.finish("error", str(e))))
+            elif kind == "abort":
+                eid = self.engine_id.get(cmd[1])
+                if eid is not None:
+                    o = llm.abort(eid)
+                    if o is not None:
+                        self._output(o)
+            elif kind == "stats":
+                self.out.append(("stats", cmd[1], llm.stats()))
+            elif kind == "shutdown":
+                self._abort_all()
+                self.stopping = True
+
+    def _abort_all(self) -> None:
+        for eid in list(self.front_id):
+            o = self.llm.abort(eid)
+            if o is not None:
+                self._output(o)
+
+    def _output(self, o: RequestOutput, rid: int | None = None) -> None:
+        d = o.delta
+        if rid is None:
+            rid = self.front_id.get(o.request_id)
+            if rid is None:
+                return
+            if d.finish_reason is not None:
+                del self.front_id[o.request_id], self.engine_id[rid]
+        self.out.append(("out", rid, d.token_ids, d.text, d.finish_reason, o.logprobs, o.prompt_tokens,
+                         o.completion_tokens, o.error))
+
+
+def _die_with_parent() -> None:
+    """Exit when the server process dies, however it dies (this process must not keep holding the GPU). Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that spawned us exits (the server starts us from a loader thread)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="jphoton-parent-watch", daemon=True).start()

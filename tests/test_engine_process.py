@@ -1,0 +1,178 @@
+"""The gRPC server with its engine in a child process (`Spawn`, what `jphoton serve` runs): the same answers as the
+in-process server and LLM.generate, bad input refused, pages freed after cancels, the child's death an INTERNAL error.
+
+One server for the module; its child builds the embedded model with the test engine arguments (conftest.ENGINE_ARGS),
+so its greedy tokens equal the session's `embedded_llm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from jphoton import LLM, SamplingParams
+from server import jphoton_pb2 as pb
+from server import jphoton_pb2_grpc as pb_grpc
+from server.app import serve
+from server.engine_process import EngineProcess, Spawn
+
+from conftest import ENGINE_ARGS
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def proc_srv(embedded_llm):
+    refs = embedded_llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0))
+    lp_ref = embedded_llm.generate(PROMPTS[1], SamplingParams(max_tokens=NEW, temperature=0, logprobs=3))[0]
+    [chat_ref] = embedded_llm.chat([{"role": "user", "content": "What is 2+2?"}],
+                                   SamplingParams(max_tokens=NEW, temperature=0))
+    build = functools.partial(LLM, None, dtype="float32", freeze_gc=False, warmup="full", **ENGINE_ARGS)
+    handle = serve(Spawn(build), port=0, max_queue=256, wait=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield handle, pb_grpc.EngineStub(channel), refs, lp_ref, chat_ref
+    channel.close()
+    handle.stop(grace=5)
+
+
+def _stats(stub) -> pb.Stats:
+    return stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def _wait_idle(stub, timeout: float = 30.0) -> pb.Stats:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(stub)
+        if s.kv_pages_free == s.kv_pages_total and s.running == 0 and s.waiting == 0 and s.queued == 0:
+            return s
+        assert time.monotonic() < deadline, f"pages/requests not released: {s}"
+        time.sleep(0.02)
+
+
+def _greedy(text: str, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=NEW, temperature=0, **kw))
+
+
+def test_the_engine_runs_in_another_process(proc_srv):
+    handle, stub, *_ = proc_srv
+    ep = handle.server.servicer.engine
+    assert isinstance(ep, EngineProcess) and ep.pid != os.getpid()
+    assert handle.server.llm is None  # no LLM in the server process
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.vocab_size > 0 and info.dtype == "float32"
+
+
+def test_streams_equal_llm_generate(proc_srv):
+    handle, stub, refs, lp_ref, chat_ref = proc_srv
+    compiles = _stats(stub).num_compiles
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            astub = pb_grpc.EngineStub(ch)
+
+            async def one(request):
+                msgs = [m async for m in astub.Generate(request, timeout=120)]
+                return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
+
+            reqs = [_greedy(p) for p in PROMPTS] + [_greedy(PROMPTS[1], logprobs=3)]
+            chat = pb.GenerateRequest(text="What is 2+2?", chat=True, sampling=pb.SamplingParams(max_tokens=NEW,
+                                                                                                    temperature=0))
+            return await asyncio.gather(*(one(r) for r in reqs + [chat]))
+
+    got = asyncio.run(run())
+    for (ids, text, msgs), ref in zip(got[:4], refs, strict=True):
+        assert ids == ref.token_ids and text == ref.text
+        assert msgs[-1].usage.completion_tokens == len(ref.token_ids)
+    ids, _, msgs = got[4]
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert ids == lp_ref.token_ids and [lp.token_id for lp in lps] == [t for t, _, _ in lp_ref.logprobs]
+    for lp, (_, logprob, top) in zip(lps, lp_ref.logprobs, strict=True):
+        assert lp.logprob == pytest.approx(logprob, abs=1e-3)  # batched with 5 other streams: float32 rounding
+        assert list(lp.top_token_ids) == list(top.keys())
+    assert got[5][0] == chat_ref.token_ids and got[5][1] == chat_ref.text
+    assert _wait_idle(stub).num_compiles == compiles  # warm-up was "full": nothing compiles while serving
+
+
+def test_bad_input_is_invalid_argument_and_nothing_is_queued(proc_srv):
+    _, stub, *_ = proc_srv
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    bad = [
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, info.vocab_size + 5]), sampling=pb.SamplingParams(max_tokens=2)),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (info.max_context + 1))),  # longer than the context
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(json_schema="{not json")),
+    ]
+    for request in bad:  # refused by the engine process, answered before any message
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # refused in the server process
+        list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=2.0)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _wait_idle(stub)
+    ids, _, _ = _collect(stub.Generate(_greedy(PROMPTS[0]), timeout=60))
+    assert len(ids) == NEW  # still serving
+
+
+def _collect(responses):
+    msgs = list(responses)
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
+
+
+def test_64_streams_with_cancels_and_aborts_free_every_page(proc_srv):
+    handle, stub, *_ = proc_srv
+    compiles = _stats(stub).num_compiles
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            astub = pb_grpc.EngineStub(ch)
+
+            async def one(i):
+                req = pb.GenerateRequest(text=PROMPTS[i % 4], request_id=f"r{i}", sampling=pb.SamplingParams(
+                    max_tokens=48, temperature=0.8, seed=i, ignore_eos=True))
+                call = astub.Generate(req, timeout=120)
+                n = 0
+                async for m in call:
+                    n += len(m.token_ids)
+                    if i % 3 == 0 and n >= 2:
+                        call.cancel()  # the client goes away
+                        return "cancelled"
+                    if i % 3 == 1 and n >= 2:
+                        await astub.Abort(pb.AbortRequest(request_id=f"r{i}"), timeout=10)
+                    if m.finish_reason:
+                        return m.finish_reason
+                return "cancelled"
+
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    reasons = asyncio.run(run())
+    assert reasons.count("cancelled") == 22 and reasons.count("abort") == 21 and reasons.count("length") == 21
+    s = _wait_idle(stub)
+    assert s.kv_pages_free == s.kv_pages_total and s.num_compiles == compiles
+
+
+def test_a_child_that_cannot_build_its_llm_fails_the_load():
+    ep = EngineProcess(Spawn(functools.partial(LLM, "random:no-such-model")))
+    with pytest.raises(ValueError, match="no-such-model"):
+        ep.start()
+
+
+def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
+    """Last in the module: it kills the shared server's engine."""
+    handle, stub, *_ = proc_srv
+    call = stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+        max_tokens=400, temperature=0, ignore_eos=True)), timeout=120)
+    next(call)
+    os.kill(handle.server.servicer.engine.pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_greedy(PROMPTS[0]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INTERNAL
