@@ -7,7 +7,7 @@
 # finishes; all of them in one device call). One-off probes and tuning sweeps live in lab/ (lab/lab_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECTIONS="startup startup-ready-1b throughput pipeline-llama1b pipeline-smollm2 serving constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
+SECTIONS="startup startup-ready-1b throughput pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
   host-overhead"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
@@ -49,9 +49,13 @@ for section in "$@"; do
       m=$([ "$section" = pipeline-llama1b ] && echo llama3.2-1b || echo smollm2-135m)
       run "$section" python3 benchmarks/pipeline.py --models "random:$m" --streams 1 8 32 --out "$OUT" \
         --tag "${section#pipeline-}" ;;
-    serving)  # gRPC serving (server/): staggered arrivals at concurrency C vs the same requests as a static batch of C
+    serving)  # gRPC serving (server/): staggered arrivals at concurrency C vs the same requests as a static batch of C,
+      # the engine in its own process (jphoton serve) and in a thread of the server process (--in-process)
       run serving python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --prompt-len 128 \
-        --new-tokens 256 --requests-per-client 4 --out "$OUT/serving.json" ;;
+        --new-tokens 256 --requests-per-client 4 --servers process thread --out "$OUT/serving.json" ;;
+    serving-smollm2)  # the same with the SmolLM2-135M shape at C=32 (host-bound: ~0.9 ms device steps)
+      run "$section" python3 benchmarks/serving.py --model random:smollm2-135m --concurrency 32 --prompt-len 128 \
+        --new-tokens 256 --requests-per-client 4 --servers process thread --out "$OUT/serving_smollm2.json" ;;
     constrained)  # JSON-schema vs free decoding, random Llama-3.2-1B resized to SmolLM2's vocabulary and tokenizer
       # (benchmarks/assets/smollm2-tokenizer: git-ignored; the script writes it from the embedded model when that is
       # installed, else write it where it is with `--export-tokenizer` and carry it)

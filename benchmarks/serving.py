@@ -269,6 +269,14 @@ def _scenarios(args, pool: ClientPool, prompts) -> list[dict]:
             print(f"C={c:3d} engine alone: {BASELINE[c]['decode_tok_s']:9.1f} decode tok/s "
                   f"({BASELINE[c]['decode_ms']:.3f} ms/step); served static batch / engine alone "
                   f"{static['ratio_vs_engine_only']:.3f}", flush=True)
+            st = BASELINE[c].get("staggered")
+            if st:
+                moving["engine_only"] = st
+                print(f"C={c:3d} engine alone, staggered: {st['decode_tok_s']:9.1f} decode tok/s "
+                      f"({st['decode_tok_s'] / BASELINE[c]['decode_tok_s']:.3f}x its static); tick ms by step kind "
+                      + ", ".join(f"{k} {v:.3f} (x{st['ticks'][k]})" for k, v in st["tick_ms_median"].items())
+                      + f"; served staggered / engine alone staggered {moving['decode_tok_s'] / st['decode_tok_s']:.3f}",
+                      flush=True)
         rows += [static, moving]
     return rows
 
@@ -328,15 +336,61 @@ def engine_baseline(llm, spec: dict) -> None:
         prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(spec["prompt_len"])] for _ in range(c)]
         timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         r = timed_run(llm, prompts, SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True))
-        print("baseline: " + json.dumps({"concurrency": c, "decode_ms": r.decode_ms_median,
-                                         "decode_tok_s": c / (r.decode_ms_median / 1e3), "end_to_end_tok_s": r.tok_s,
-                                         "compiles_during_run": r.compiles_during_run}), flush=True)
+        row = {"concurrency": c, "decode_ms": r.decode_ms_median, "decode_tok_s": c / (r.decode_ms_median / 1e3),
+               "end_to_end_tok_s": r.tok_s, "compiles_during_run": r.compiles_during_run}
+        duration = r.decode_ms_median / 1e3 * spec["new_tokens"]
+        row["staggered"] = engine_staggered(llm, prompts, spec["new_tokens"], c, spec["requests_per_client"], duration)
+        print("baseline: " + json.dumps(row), flush=True)
+
+
+def engine_staggered(llm, prompts, new_tokens: int, c: int, per_client: int, duration: float) -> dict:
+    """The staggered scenario through the engine alone: C closed-loop clients with no think time, their starts spread
+    over one request's `duration`; decode tok/s in the window where all C are in flight, and the engine's tick time
+    by step kind there (a mixed step carries a newcomer's prefill beside the decode rows)."""
+    from benchmarks.common import tick_kinds
+    from jphoton import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    queue = [[prompts[(i * per_client + k) % len(prompts)] for k in range(per_client)] for i in range(c)]
+    owner, ticks, tokens = {}, [], []
+    llm.telemetry.clear()
+    t0 = time.perf_counter()
+    starts = [t0 + i * duration / c for i in range(c)]
+    started, first_done = 0, None
+    while started < c or llm.has_unfinished_requests():
+        now = time.perf_counter()
+        while started < c and starts[started] <= now:
+            owner[llm.add_request({"prompt_token_ids": queue[started].pop()}, params)] = started
+            started += 1
+        a = time.perf_counter()
+        outs = llm.step() if llm.has_unfinished_requests() else []
+        b = time.perf_counter()
+        ticks.append((a, b))
+        tokens.append((b, sum(len(o.delta.token_ids) for o in outs)))
+        for o in outs:
+            if o.finished:
+                i = owner.pop(o.request_id)
+                if queue[i]:
+                    owner[llm.add_request({"prompt_token_ids": queue[i].pop()}, params)] = i
+                elif first_done is None:
+                    first_done = b  # the first client is out of requests: the window ends
+    lo, hi = starts[-1], first_done or ticks[-1][1]
+    n = sum(k for t, k in tokens if lo <= t <= hi)
+    kinds = tick_kinds(ticks, llm.telemetry.records)
+    by_kind = {}
+    for (a, b), k in zip(ticks, kinds, strict=True):
+        if lo <= a and b <= hi and k is not None:
+            by_kind.setdefault(k, []).append(1e3 * (b - a))
+    return {"decode_tok_s": n / max(hi - lo, 1e-9), "window_s": hi - lo,
+            "tick_ms_median": {k: statistics.median(v) for k, v in by_kind.items()},
+            "ticks": {k: len(v) for k, v in by_kind.items()}}
 
 
 def start_server(args, server: str) -> tuple[subprocess.Popen, str, dict]:
     spec = {"server": server, "model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
             "switch_interval": args.switch_interval, "baseline": args.engine_baseline,
-            "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+            "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "requests_per_client": args.requests_per_client}
     print(f"server: {spec}", flush=True)
     child = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
