@@ -131,9 +131,8 @@ def _cmd_serve(args) -> int:
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
     build = functools.partial(LLM, args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    model = build if args.in_process else Spawn(build)  # the engine in a process of its own (server/engine_process.py)
-    try:
-        asyncio.run(run_until_signal(model, host=args.host, port=args.port, max_queue=args.max_queue,
+    try:  # the engine in a process of its own (server/engine_process.py)
+        asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
                                      grace=args.grace))
     except OSError as e:  # the port is taken or the address is not ours
@@ -197,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--max-message-mb", type=int, default=16, help="gRPC message size limit, MiB")
-    s.add_argument("--in-process", action="store_true",
-                   help="run the engine loop in a thread of the server process instead of a process of its own "
-                        "(slower under load: the engine and gRPC share one GIL)")
     s.add_argument("--grace", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
     s.set_defaults(func=_cmd_serve)

@@ -1,4 +1,5 @@
-"""The engine in a child process of its own, behind AsyncLLM's interface: what `jphoton serve` runs.
+"""The engine in a child process of its own, behind AsyncLLM's interface: what `jphoton serve` runs
+(`Server.load(Spawn(build))`; `serve(llm)` with an LLM object keeps its loop in a thread of the caller's process).
 
 Why a process: in one process the engine thread and the gRPC event loop share the GIL. Under load the event loop is
 busy building and writing messages, and the engine thread waits for the GIL each time the device finishes a step; on
