@@ -478,6 +478,45 @@ def test_a_mid_flight_failure_is_aborted_after_the_tokens_so_far():
         handle.stop(grace=1)
 
 
+class _BurstEngine(_FakeEngine):
+    """Replays a real request's deltas in bursts (3 at once, then one by one), as a busy server sees them queue up."""
+
+    def __init__(self, deltas):
+        super().__init__()
+        self.deltas = deltas
+
+    def submit(self, prompt, params):
+        from jphoton.sequence import RequestOutput
+
+        q = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for i, d in enumerate(self.deltas):
+            out = RequestOutput(0, d, None, 5, i + 1)
+            loop.call_later(0 if i < 3 else 0.01 * i, q.put_nowait, out)
+        return 0, q
+
+
+def test_coalesced_messages_carry_exactly_the_streamed_text(embedded_llm):
+    """Outputs that queue while the stream is busy go out as one message: the concatenated text and tokens still equal
+    LLM's own stream, held-back stop-string text included."""
+    params = SamplingParams(max_tokens=12, temperature=0, stop=["\n\n"])
+    deltas = list(embedded_llm.stream(PROMPTS[1], params))
+    [ref] = embedded_llm.generate(PROMPTS[1], params)
+    server = Server(port=0)
+    server.servicer.attach = lambda llm: setattr(server.servicer, "engine", _BurstEngine(deltas))
+    handle = ServerThread(server).start(object())
+    handle.wait_ready(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            msgs = list(pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=30))
+    finally:
+        handle.stop(grace=1)
+    assert len(msgs) < len(deltas) and max(len(m.token_ids) for m in msgs) > 1  # some were merged
+    assert [t for m in msgs for t in m.token_ids] == ref.token_ids
+    assert "".join(m.text for m in msgs) == ref.text
+    assert msgs[-1].finish_reason == ref.finish_reason
+
+
 # ---- the CLI and shutdown -------------------------------------------------------------------------------------------
 def test_serve_cli_flags(capsys):
     from jphoton.cli import main
