@@ -383,6 +383,7 @@ def engine_staggered(llm, prompts, new_tokens: int, c: int, per_client: int, dur
             by_kind.setdefault(k, []).append(1e3 * (b - a))
     return {"decode_tok_s": n / max(hi - lo, 1e-9), "window_s": hi - lo,
             "tick_ms_median": {k: statistics.median(v) for k, v in by_kind.items()},
+            "tick_ms_mean": {k: statistics.fmean(v) for k, v in by_kind.items()},
             "ticks": {k: len(v) for k, v in by_kind.items()}}
 
 
