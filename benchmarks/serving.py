@@ -166,12 +166,13 @@ def summarize(traces: list[Trace], window: tuple[float, float], mode: str, concu
     lo, hi = window
     in_window = sum(n for t in traces for ts, n in t.messages if lo < ts <= hi)
     busy = sum(max(0.0, min(t.last, hi) - max(t.sent, lo)) for t in traces)
-    itl = []
+    itl, gaps = [], []  # per token (a message's gap over its tokens), and per message
     for t in traces:
         prev = t.first
         for ts, n in t.messages:
             if n and ts > prev:
                 itl += [(ts - prev) / n] * n
+                gaps.append(ts - prev)
                 prev = ts
     start, end = min(t.sent for t in traces), max(t.last for t in traces)
     return {
@@ -182,6 +183,7 @@ def summarize(traces: list[Trace], window: tuple[float, float], mode: str, concu
         "ttft_ms": percentiles([t.first - t.sent for t in traces]),
         "tpot_ms": percentiles([(t.last - t.first) / (t.tokens - 1) for t in traces if t.tokens > 1]),
         "itl_ms": percentiles(itl),
+        "message_gap_ms": percentiles(gaps),
         "request_s_mean": statistics.fmean(t.last - t.sent for t in traces),
         "tokens_per_message": sum(t.tokens for t in traces) / max(1, sum(1 for t in traces for _, n in t.messages if n)),
     }
@@ -286,6 +288,7 @@ def _line(r: dict) -> str:
     return (f"C={r['concurrency']:3d} {r['mode']:9s}: {r['decode_tok_s']:9.1f} decode tok/s "
             f"(window {r['window_s']:.2f} s, mean concurrency {r['mean_concurrency']:.1f}), "
             f"TTFT p50/p90/p99 {_p(r['ttft_ms'])} ms, TPOT {_p(r['tpot_ms'])} ms, ITL {_p(r['itl_ms'])} ms, "
+            f"message gap {_p(r['message_gap_ms'])} ms, "
             f"{r['tokens_per_message']:.2f} tokens/message; {cpu['processes']} client processes, busiest at "
             f"{100 * cpu['max_core_fraction']:.0f}% of a core")
 

@@ -102,6 +102,7 @@ def test_serving():
     for row in result["rows"]:  # 3 streams over 2 client processes, every request's 6 tokens accounted for
         assert row["client"]["processes"] == 2 and 0 < row["client"]["max_core_fraction"] < 2
         assert 1 <= row["tokens_per_message"] <= 6 and row["requests"] == (3 if row["mode"] == "static" else 6)
+        assert row["message_gap_ms"]["p50"] > 0 and row["itl_ms"]["p50"] > 0
 
 
 def _hf_llama_handoff(d: pathlib.Path, agree: int, greedy: int):
