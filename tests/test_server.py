@@ -31,6 +31,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 CHAT = "What is 2+2?"
 NEW = 8  # tokens per stream: small, CPU time is the budget
 GREEDY = pb.SamplingParams(max_tokens=NEW, temperature=0)
+STREAM_PARAMS = SamplingParams(max_tokens=12, temperature=0, stop=["\n\n"])
 LOGPROB_CASES = [  # (over gRPC, through LLM.generate): greedy with the top 3, seeded with the chosen token's only
     (pb.SamplingParams(max_tokens=NEW, temperature=0, logprobs=3), SamplingParams(max_tokens=NEW, temperature=0,
                                                                                   logprobs=3)),
@@ -49,6 +50,7 @@ class Harness:
     refs: list  # LLM.generate's completions of PROMPTS, greedy, NEW tokens
     lp_refs: list  # LLM.generate's completions of LOGPROB_CASES
     chat_ref: object
+    stream: tuple  # (LLM.stream's deltas, LLM.generate's completion) of PROMPTS[1] with STREAM_PARAMS
     status_while_loading: int
     code_while_loading: grpc.StatusCode
 
@@ -73,6 +75,7 @@ def srv(embedded_llm):
     refs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0))
     [chat_ref] = llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=NEW, temperature=0))
     lp_refs = [llm.generate(PROMPTS[1], params)[0] for _, params in LOGPROB_CASES]  # one at a time, as served
+    stream = (list(llm.stream(PROMPTS[1], STREAM_PARAMS)), llm.generate(PROMPTS[1], STREAM_PARAMS)[0])
     gate = threading.Event()
 
     def load():  # the model "loads" until the test has looked at the server in that state
@@ -87,7 +90,7 @@ def srv(embedded_llm):
         list(stub.Generate(pb.GenerateRequest(text="hi", sampling=GREEDY), timeout=10))
     gate.set()
     handle.wait_ready(120)
-    yield Harness(handle, channel, stub, health, llm, refs, lp_refs, chat_ref, loading, e.value.code())
+    yield Harness(handle, channel, stub, health, llm, refs, lp_refs, chat_ref, stream, loading, e.value.code())
     channel.close()
     handle.stop(grace=5)
 
@@ -496,12 +499,10 @@ class _BurstEngine(_FakeEngine):
         return 0, q
 
 
-def test_coalesced_messages_carry_exactly_the_streamed_text(embedded_llm):
+def test_coalesced_messages_carry_exactly_the_streamed_text(srv):
     """Outputs that queue while the stream is busy go out as one message: the concatenated text and tokens still equal
     LLM's own stream, held-back stop-string text included."""
-    params = SamplingParams(max_tokens=12, temperature=0, stop=["\n\n"])
-    deltas = list(embedded_llm.stream(PROMPTS[1], params))
-    [ref] = embedded_llm.generate(PROMPTS[1], params)
+    deltas, ref = srv.stream
     server = Server(port=0)
     server.servicer.attach = lambda llm: setattr(server.servicer, "engine", _BurstEngine(deltas))
     handle = ServerThread(server).start(object())
