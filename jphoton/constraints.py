@@ -78,11 +78,13 @@ class GrammarCompiler:
                 grammar = llg.grammar_from("grammar", value)  # Lark as is, GBNF converted to Lark
             else:
                 grammar = llg.grammar_from("choice", list(value))
-        except ValueError as e:
-            raise ValueError(f"invalid {kind}: {e}") from None
+        except ValueError as e:  # llguidance's messages may quote the whole input: keep the start
+            raise ValueError(f"invalid {kind}: {_cut(str(e))}") from None
+        except RecursionError:
+            raise ValueError(f"invalid {kind}: nested too deeply") from None
         matcher = llg.LLMatcher(self._lltok, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid {kind}: {matcher.get_error().strip()}")
+            raise ValueError(f"invalid {kind}: {_cut(matcher.get_error().strip())}")
         return Constraint(kind, matcher)
 
     # ---- many rows at once ----------------------------------------------------------------------------------------
@@ -143,3 +145,7 @@ class Constraint:
 
     def error(self) -> str:
         return self.matcher.get_error().strip()
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -9,6 +9,7 @@ from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "choice")
+_FLOAT32_TINY = 1.1754944e-38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,28 +40,31 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
             except (TypeError, ValueError) as e:
-                raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
+                raise ValueError(f"json_schema is not JSON-serializable: {short(str(e), 200)}") from None
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
         if isinstance(self.choice, (list, tuple)):
             object.__setattr__(self, "choice", tuple(self.choice))
         self.validate()
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be a positive integer or None, got {short(self.max_tokens)}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {short(self.temperature)}")
+        if not _is_number(self.top_p) or not _FLOAT32_TINY <= self.top_p <= 1:
+            # below float32's smallest normal number the device flushes it to 0 (every row would sample token 0)
+            raise ValueError(f"top_p must be in [{_FLOAT32_TINY:.4g}, 1], got {short(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {short(self.top_k)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise ValueError(f"seed must be a non-negative integer, got {short(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop must be non-empty strings, got {short(self.stop)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be a non-negative integer or None, got {short(self.logprobs)}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {short(self.stop_token_ids)}")
         self._validate_constraint()
 
     def _validate_constraint(self) -> None:
@@ -75,16 +79,18 @@ class SamplingParams:
                 schema = json.loads(self.json_schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+                raise ValueError(f"{name} must be a non-empty string, got {short(value)}")
         if self.choice is not None:
             if not isinstance(self.choice, tuple) or not self.choice or not all(
                     isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {short(self.choice)}")
 
     @property
     def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
@@ -119,6 +125,13 @@ def _checked_init(self, *args, **kwargs):
 
 
 SamplingParams.__init__ = _checked_init
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: an error message never echoes a whole (possibly huge) input, which over
+    gRPC would not even fit the client's header limit."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_int(x) -> bool:

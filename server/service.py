@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
+import secrets
 import time
 
 import grpc
@@ -33,6 +33,7 @@ from server.metrics import Metrics
 log = logging.getLogger("jphoton.server")
 
 SERVICE_NAME = "jphoton.v1.Engine"
+MAX_STATUS_CHARS = 1000  # longest status message sent (an error never echoes a whole request back)
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")  # proto3 `optional`: unset = the default
 
 
@@ -71,7 +72,6 @@ class EngineServicer:
         self.engine: AsyncLLM | EngineProcess | None = None
         self.draining = False
         self._live: dict[str, int] = {}  # client request id -> engine request id, while the stream is open
-        self._auto_ids = itertools.count()
 
     def attach(self, llm) -> None:
         """Start serving `llm` (an LLM in this process, its loop in AsyncLLM's thread; or a started EngineProcess)."""
@@ -227,14 +227,18 @@ class EngineServicer:
         return request.text
 
     def _new_id(self) -> str:
+        """Unguessable, so that no client can Abort another's request by counting."""
         while True:
-            rid = f"jphoton-{next(self._auto_ids)}"
+            rid = f"jphoton-{secrets.token_hex(12)}"
             if rid not in self._live:
                 return rid
 
     async def _fail(self, context, code: grpc.StatusCode, message: str) -> None:
-        """End the call with `code` (raises, as context.abort does), counting it in the metrics."""
+        """End the call with `code` (raises, as context.abort does), counting it in the metrics. The message travels in
+        a header: cut so that it always fits a client's header limit (8 KiB by default)."""
         self._count(code.name, "error" if code == grpc.StatusCode.ABORTED else "")
+        if len(message) > MAX_STATUS_CHARS:
+            message = f"{message[:MAX_STATUS_CHARS]}... ({len(message)} characters)"
         await context.abort(code, message)
 
     def _count(self, code: str, reason: str) -> None:
@@ -260,11 +264,12 @@ def sampling_params(msg) -> SamplingParams:
 
 
 # ---- request decoding ---------------------------------------------------------------------------------------------
-# A oneof keeps only the last field the parser sees, so a request that carries two constraints would silently run with
-# one of them. The Generate deserializer looks at the wire bytes to refuse that, and turns undecodable bytes into
-# INVALID_ARGUMENT rather than grpc's INTERNAL.
+# A oneof keeps only the last field the parser sees, so a request that carries two constraints (or both a text and
+# token ids) would silently run with one of them. The Generate deserializer looks at the wire bytes to refuse that, and
+# turns undecodable bytes into INVALID_ARGUMENT rather than grpc's INTERNAL.
 _CONSTRAINT_NUMBERS = {f.number: f.name for f in pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields}
 _SAMPLING_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
+_INPUT_NUMBERS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields}
 
 
 def lenient(message_cls):
@@ -282,13 +287,16 @@ def decode_generate_request(data: bytes):
         request = pb.GenerateRequest.FromString(data)
     except DecodeError as e:
         return BadRequest(f"cannot decode GenerateRequest: {e}")
-    if request.HasField("sampling"):
-        seen = set()
-        for field, value in _wire_fields(data):
-            if field == _SAMPLING_NUMBER and isinstance(value, bytes):
-                seen |= {_CONSTRAINT_NUMBERS[f] for f, _ in _wire_fields(value) if f in _CONSTRAINT_NUMBERS}
-        if len(seen) > 1:
-            return BadRequest(f"at most one constraint per request, got {sorted(seen)}")
+    inputs, constraints = set(), set()
+    for field, value in _wire_fields(data):
+        if field in _INPUT_NUMBERS:
+            inputs.add(_INPUT_NUMBERS[field])
+        elif field == _SAMPLING_NUMBER and isinstance(value, bytes):
+            constraints |= {_CONSTRAINT_NUMBERS[f] for f, _ in _wire_fields(value) if f in _CONSTRAINT_NUMBERS}
+    if len(inputs) > 1:
+        return BadRequest(f"set one input, text or token_ids, not both (got {sorted(inputs)})")
+    if len(constraints) > 1:
+        return BadRequest(f"at most one constraint per request, got {sorted(constraints)}")
     return request
 
 

@@ -113,10 +113,27 @@ def test_unknown_random_model_and_dtype():
     (dict(max_tokens=2.5), "max_tokens"),
     (dict(seed=-3), "seed"),
     (dict(stop=("",)), "stop"),
+    (dict(top_p=1e-45), "top_p"),  # issue 24: a denormal the device flushes to 0
+    (dict(json_schema="[" * 100_000 + "]" * 100_000), "nested too deeply"),  # issue 24: was RecursionError
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_errors_quote_at_most_a_short_prefix_of_the_input(embedded_llm):
+    """Issue 24: a 40-640 KB regex or grammar came back whole inside its error (over gRPC, past the header limit)."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=("x" * 100_000, ""))
+    assert len(str(e.value)) < 300
+    with pytest.raises(ValueError) as e:
+        embedded_llm.generate("hi", SamplingParams(regex="(" + "a" * 100_000))
+    assert "invalid regex" in str(e.value) and len(str(e.value)) < 500
+    with pytest.raises(ValueError, match="nested too deeply"):
+        deep: dict = {}
+        for _ in range(100_000):
+            deep = {"a": deep}
+        SamplingParams(json_schema=deep)
 
 
 def test_unknown_sampling_field():

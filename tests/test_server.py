@@ -173,6 +173,8 @@ def test_streamed_tokens_equal_llm_generate(srv):
         assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
         assert last.usage.completion_tokens == len(ref.token_ids)
         assert msgs[0].request_id.startswith("jphoton-")  # server-assigned when the client gives none
+    ids = {msgs[0].request_id for msgs in results}  # unguessable (issue 24: sequential ids let a client Abort another's)
+    assert len(ids) == len(results) and all(len(i) == len("jphoton-") + 24 for i in ids)
 
 
 def test_64_concurrent_streams_complete_without_compiling(srv):
@@ -260,12 +262,16 @@ def test_bad_inputs_are_invalid_argument_and_the_server_keeps_serving(srv):
         "empty token ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])),
         "chat with token ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), chat=True),
         "stop token outside the vocabulary": pb.GenerateRequest(text="hi", sampling=S(stop_token_ids=[10**6])),
+        "top_p denormal": pb.GenerateRequest(text="hi", sampling=S(top_p=1e-45)),
+        "json schema nested too deeply": pb.GenerateRequest(text="hi", sampling=S(
+            json_schema="[" * 100_000 + "]" * 100_000)),
+        "a 200 KB invalid regex": pb.GenerateRequest(text="hi", sampling=S(regex="(" + "a" * 200_000)),
     }
     for name, request in bad.items():
         with pytest.raises(grpc.RpcError) as e:
             list(srv.stub.Generate(request, timeout=30))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e.value.code()} {e.value.details()}"
-        assert e.value.details(), name
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e.value.code()} {e.value.details()[:200]}"
+        assert 0 < len(e.value.details()) <= 1100, name  # never the whole input back (issue 24)
     # Two constraints: a oneof keeps only the last one parsed, so build the bytes by hand (one SamplingParams per
     # constraint, concatenated: the wire format merges them).
     two = (pb.GenerateRequest(text="hi", sampling=S(regex="a+")).SerializeToString()
@@ -273,6 +279,12 @@ def test_bad_inputs_are_invalid_argument_and_the_server_keeps_serving(srv):
     with pytest.raises(grpc.RpcError) as e:
         _raw_generate(srv, two)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
+    # Both a text and token ids (the oneof would keep the last): refused, not run with one of them (issue 24).
+    both = (pb.GenerateRequest(text="hi", sampling=GREEDY).SerializeToString()
+            + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])).SerializeToString())
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(srv, both)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         _raw_generate(srv, b"\x12\x02\xff\xfe")  # text = invalid UTF-8
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
