@@ -34,6 +34,29 @@ def _setup_logging(verbose: bool) -> None:
         pass
 
 
+def _int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi] (a bad value is a one-line usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+        return value
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF dir, .gguf file, jphoton store, random:NAME or embedded (default: the embedded "
@@ -188,15 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                        **show_defaults)
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only unless changed)")
-    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--port", type=_int_in(0, 65535), default=50051, help="0 picks a free port")
     s.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
-    s.add_argument("--max-queue", type=int, default=512,
+    s.add_argument("--max-queue", type=_int_in(1), default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
-    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (None: min(model's, 8192))")
-    s.add_argument("--max-message-mb", type=int, default=16, help="gRPC message size limit, MiB")
-    s.add_argument("--grace", type=float, default=30.0,
+    s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")
+    s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
+    s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
+    s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
+    s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
     s.set_defaults(func=_cmd_serve)
 

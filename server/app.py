@@ -70,9 +70,12 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
-        self.port = self._grpc.add_insecure_port(address)
+        try:
+            self.port = self._grpc.add_insecure_port(address)
+        except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot bind {address}")
+            raise OSError(f"cannot bind {address} (in use, or not an address of this machine)")
         await self._grpc.start()
         self.metrics.watch(self.servicer.stats)
         if self.metrics_port_requested is not None:

@@ -186,3 +186,29 @@ def test_cli_errors_are_one_line_and_nonzero(capsys, argv, match):
     err = capsys.readouterr().err
     assert "jphoton: error:" in err and match in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "99999"), ("--port", "-1"), ("--max-message-mb", "-1"),
+                                         ("--max-queue", "0"), ("--metrics-port", "70000"), ("--grace", "-5")])
+def test_serve_flags_out_of_range_are_usage_errors(capsys, flag, value):
+    """Issue 24: --max-message-mb -1 removed the size limit, --port 99999 bound some other port."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_serve_on_a_taken_port_or_a_foreign_host_is_one_line(capsys):
+    """Issue 24: a traceback and exit 1 (grpcio raises RuntimeError where it used to return 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "jphoton: error: cannot bind" in err and "Traceback" not in err
+    assert main(["serve", "--host", "999.1.1.1", "--port", "0"]) == 2
+    assert "jphoton: error: cannot bind" in capsys.readouterr().err
