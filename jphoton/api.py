@@ -24,7 +24,7 @@ from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
-from jphoton.params import Completion, SamplingParams
+from jphoton.params import Completion, SamplingParams, short
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.store import cache_dir
@@ -108,8 +108,7 @@ class LLM:
         """Apply the model's chat template to each conversation (a list of messages), then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        tok = self._require_tokenizer()
-        ids = [tok.encode_chat(list(conv)) for conv in conversations]
+        ids = [self.encode_chat(conv) for conv in conversations]
         return self.generate([{"prompt_token_ids": i} for i in ids], params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
@@ -128,7 +127,17 @@ class LLM:
         return seq.completion()
 
     def encode_chat(self, messages: Seq[Message]) -> list[int]:
-        return self._require_tokenizer().encode_chat(list(messages))
+        """The chat template applied to `messages` ({"role", "content"} dicts), as token ids. Raises ValueError for no
+        messages or a blank last message (an empty prompt, as for text)."""
+        messages = list(messages)
+        if not messages:
+            raise ValueError("empty chat: no messages")
+        bad = [m for m in messages if not isinstance(m, dict) or not isinstance(m.get("content"), str)]
+        if bad:
+            raise ValueError(f"a chat message is a dict with a string 'content', got {short(bad[0])}")
+        if not messages[-1]["content"].strip():
+            raise ValueError("empty prompt: the last chat message is blank")
+        return self._require_tokenizer().encode_chat(messages)
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
     def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
@@ -238,8 +247,8 @@ class LLM:
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt")
+            if not prompt.strip():
+                raise ValueError("empty prompt" if not prompt else "empty prompt (only whitespace)")
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt_token_ids"}

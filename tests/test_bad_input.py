@@ -161,6 +161,15 @@ def test_bad_prompts_and_the_engine_keeps_serving(embedded_llm):
         llm.generate(["a", "b"], [SamplingParams()])
     with pytest.raises(ValueError, match="a prompt is a str"):
         llm.generate([3])
+    # Issue 24: blank prompts were accepted although empty ones are errors.
+    with pytest.raises(ValueError, match="only whitespace"):
+        llm.generate(" \n\t ")
+    with pytest.raises(ValueError, match="last chat message is blank"):
+        llm.chat([{"role": "user", "content": "  "}])
+    with pytest.raises(ValueError, match="no messages"):
+        llm.chat([[]])
+    with pytest.raises(ValueError, match="string 'content'"):
+        llm.chat([{"role": "user"}])
     out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].token_ids) == 3
 
