@@ -8,6 +8,7 @@ import importlib
 
 _PUBLIC = {
     "LLM": "jphoton.api",
+    "Stream": "jphoton.api",
     "AsyncLLM": "jphoton.async_llm",
     "EngineConfig": "jphoton.engine.config",
     "Buckets": "jphoton.engine.config",

@@ -35,6 +35,29 @@ Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
 Message = dict  # {"role": ..., "content": ...}
 
 
+class Stream:
+    """What `LLM.stream` returns: an iterator of Deltas, and a context manager whose exit (like `close()`) aborts the
+    request if it has not finished."""
+
+    def __init__(self, deltas: Iterator[Delta]):
+        self._deltas = deltas
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()  # the generator's `finally` aborts and waits for the pages (LLM._stream)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class LLM:
     """Load a model and serve it through the paged, continuously batched, pipelined engine.
 
@@ -111,11 +134,12 @@ class LLM:
         ids = [self.encode_chat(conv) for conv in conversations]
         return self.generate([{"prompt_token_ids": i} for i in ids], params)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Yield deltas (`.text`, `.token_ids`, `.finish_reason` on the last) as tokens are committed. Closing the
-        iterator early aborts the request and returns its KV pages."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
+        """Deltas (`.text`, `.token_ids`, `.finish_reason` on the last) as tokens are committed. Use it in a `with`
+        block (or call `.close()`): leaving the block early aborts the request and returns its KV pages. A stream you
+        stop reading but still hold keeps its request (and pages) until it is closed or garbage-collected."""
         [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
-        return self._stream(seq)
+        return Stream(self._stream(seq))
 
     def stream_one(self, prompt: Prompt, params: SamplingParams | None = None,
                    on_delta: Callable[[Delta], None] | None = None) -> Completion:

@@ -93,6 +93,7 @@ class Server:
             llm = EngineProcess(model)
             self._engine_process = llm
             await _in_daemon_thread(llm.start)
+            llm.on_death = self._engine_died
             llm.attach(asyncio.get_running_loop())
         else:
             llm = await _in_daemon_thread(model) if callable(model) else model
@@ -106,6 +107,11 @@ class Server:
                  self.servicer.engine.info["name"], time.perf_counter() - t0,
                  f", engine process {llm.pid}" if isinstance(llm, EngineProcess) else "", stats["num_compiles"],
                  stats["shapes_compiled"], stats["shapes_total"])
+
+    def _engine_died(self, why: str) -> None:
+        """The engine process is gone: health says NOT_SERVING (a load balancer stops sending; calls get INTERNAL)."""
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, grace: float = 30.0) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight streams finish for up to `grace` seconds,

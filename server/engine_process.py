@@ -83,6 +83,7 @@ class EngineProcess:
         self._closing = False
         self.info: dict = {}
         self.last_stats: dict = {}
+        self.on_death: Callable[[str], None] | None = None  # called on the attached loop if the engine process dies
 
     # ---- life cycle ------------------------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -233,6 +234,8 @@ class EngineProcess:
         for sink in self._sinks.values():
             sink.put_nowait(None)  # the servicer answers INTERNAL
         self._sinks.clear()
+        if self.on_death is not None and not self._closing:
+            self.on_death(why)
 
 
 # ---- the child -------------------------------------------------------------------------------------------------------

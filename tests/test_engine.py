@@ -129,6 +129,19 @@ def test_stream_matches_generate_and_closing_it_aborts(embedded_llm):
     it.close()  # aborts; the autouse check then finds every page back
 
 
+def test_a_stream_left_early_in_a_with_block_aborts_its_request(embedded_llm):
+    """Issue 24: breaking out of a held stream kept its request running and its pages held."""
+    llm = embedded_llm
+    with llm.stream("Write a haiku about the sea.", _greedy(20)) as stream:
+        for i, _ in enumerate(stream):
+            if i == 1:
+                break
+        stats = llm.stats()
+        assert stats["kv_pages_free"] < stats["kv_pages_total"]  # still held inside the block
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and not llm.has_unfinished_requests()
+
+
 def test_logprobs_are_the_models_log_softmax(embedded_llm, hf):
     llm = embedded_llm
     prompt = hf[3][0]

@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jphoton import LLM, SamplingParams
 from server import jphoton_pb2 as pb
@@ -176,3 +177,6 @@ def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(_greedy(PROMPTS[0]), timeout=30))
     assert e.value.code() == grpc.StatusCode.INTERNAL
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{handle.port}"))
+    status = health.Check(health_pb2.HealthCheckRequest(service="jphoton.v1.Engine"), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
