@@ -3,7 +3,7 @@
 
 Why a process: in one process the engine thread and the gRPC event loop share the GIL. Under load the event loop is
 busy building and writing messages, and the engine thread waits for the GIL each time the device finishes a step; on
-the H100 the served decode ran at 0.35-0.39x of the engine alone (RESULTS.md, "gRPC serving"). In its own process the
+the H100 the served decode ran at 0.31-0.41x of the engine alone (RESULTS.md, "Serving (gRPC)"). In its own process the
 engine loop runs as it does under `LLM.generate`, and the server process spends all of its own time on gRPC.
 
 Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params),
@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -263,6 +264,11 @@ def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, i
         except OSError:
             pass
         raise
+    # Served and drained: leave now. A normal exit would first wait for the background warm-up thread to compile the
+    # shapes it has left (minutes on a GPU), and the server would kill us after its timeout.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _EngineLoop:
