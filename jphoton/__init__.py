@@ -13,6 +13,7 @@ _PUBLIC = {
     "EngineConfig": "jphoton.engine.config",
     "Buckets": "jphoton.engine.config",
     "Kernels": "jphoton.engine.config",
+    "Limits": "jphoton.engine.config",
     "JaxModel": "jphoton.models.protocol",
     "SamplingParams": "jphoton.params",
     "Completion": "jphoton.params",

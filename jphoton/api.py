@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -95,9 +96,17 @@ class LLM:
         self.engine_config: EngineConfig = cfg
         self.max_model_len = cfg.max_model_len
         self._seed_rng = np.random.default_rng(cfg.seed)
+        self._bytes_per_token: int | None = None
         self._next_id = 0
-        self._lock = threading.Lock()  # request ids and seeds, when callers prepare requests from several threads
+        self._lock = threading.RLock()  # request ids and seeds, when callers prepare requests from several threads
+        # The engine state (scheduler, slots, output queues) is touched under _engine_lock only. Several threads may call
+        # generate/stream at once: each ticks the engine in turn (their requests share the batches) and every output
+        # goes to its own request's queue, whoever ticked. While an AsyncLLM drives this LLM, its thread alone ticks;
+        # other callers add their requests under the lock and wait for its ticks (_stepped).
+        self._engine_lock = threading.RLock()
+        self._stepped = threading.Condition(self._engine_lock)
         self._driver: int | None = None  # the thread that owns the loop while an AsyncLLM drives this LLM
+        self._wake_driver: Callable[[], None] | None = None  # the driver's wake-up, called when a request is added
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
         log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
@@ -119,8 +128,7 @@ class LLM:
         for s in seqs:
             self._submit(s)
         try:
-            while not all(s.finalized for s in seqs):
-                self._tick()
+            self._run_until(lambda: all(s.finalized for s in seqs))
         finally:
             for s in seqs:
                 self._close(s)
@@ -161,39 +169,51 @@ class LLM:
             raise ValueError(f"a chat message is a dict with a string 'content', got {short(bad[0])}")
         if not messages[-1]["content"].strip():
             raise ValueError("empty prompt: the last chat message is blank")
-        return self._require_tokenizer().encode_chat(messages)
+        self._check_prompt_size(sum(_text_bytes(m["content"]) for m in messages))
+        tok = self._require_tokenizer()
+        text = tok.apply_chat_template(messages)
+        self._check_prompt_size(_utf8_len(text), rendered=True)
+        return tok.encode(text, add_special_tokens=False)  # the template writes BOS itself where the model wants it
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
-    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                        request_id: int | None = None) -> Sequence:
         """Validate and tokenize a request without queueing it (safe from any thread); `add_request` queues it.
-        Raises ValueError on bad input."""
-        with self._lock:
-            [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        Raises ValueError on bad input. request_id: one taken with `new_request_id()` (default: a new one)."""
+        ids = self._prompt_ids(prompt)
+        [seq] = self._make_sequences([ids], params, None if request_id is None else [request_id])
         return seq
+
+    def new_request_id(self) -> int:
+        """A request id, unique for this LLM (for a request prepared later: `prepare_request(request_id=...)`)."""
+        return self._new_request_id()
 
     def add_request(self, prompt: Prompt | Sequence, params: SamplingParams | None = None) -> int:
         """Queue a request (a prompt, or what `prepare_request` returned) and return its id; `step` runs it."""
         seq = prompt if isinstance(prompt, Sequence) else self.prepare_request(prompt, params)
-        self._check_driver()
-        self.engine.add(seq)
+        with self._engine_lock:
+            self.engine.add(seq)
+        self._wake()
         return seq.request_id
 
     def step(self) -> list[RequestOutput]:
         """One engine tick: launch the next step, commit the one before, finalize grammar sampling. Returns what each
         request got (its last output has `finished` set). Outputs of `generate`/`stream` requests go to them too."""
         self._check_driver()
-        outputs = self.engine.step()
-        for out in outputs:
-            queue = self._outputs.get(out.request_id)
-            if queue is not None:
-                queue.append(out)
+        with self._stepped:
+            outputs = self.engine.step()
+            for out in outputs:
+                queue = self._outputs.get(out.request_id)
+                if queue is not None:
+                    queue.append(out)
+            self._stepped.notify_all()
         return outputs
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish_reason "abort"); its KV pages come back once no launched step references it.
         Returns its last output, or None if it is unknown or already finished."""
-        self._check_driver()
-        return self.engine.abort(request_id)
+        with self._engine_lock:
+            return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Anything queued, running, or still in flight on the device."""
@@ -231,8 +251,7 @@ class LLM:
         try:
             queue = self._outputs[seq.request_id]
             while True:
-                while not queue and not seq.finalized:
-                    self._tick()
+                self._run_until(lambda: queue or seq.finalized)
                 while queue:
                     yield queue.popleft().delta
                 if seq.finalized:
@@ -241,15 +260,37 @@ class LLM:
             self._close(seq)
 
     def _check_driver(self) -> None:
-        """The engine state has one owner: an AsyncLLM's thread while one drives this LLM (else whoever calls)."""
+        """Only an AsyncLLM's thread steps the LLM while one drives it (a tick elsewhere would take its outputs)."""
         if self._driver is not None and self._driver != threading.get_ident():
-            raise RuntimeError("an AsyncLLM (or the server) drives this LLM from its engine thread: generate through "
-                               "it, or shut it down first")
+            raise RuntimeError("an AsyncLLM (or the server) drives this LLM from its engine thread: call generate/"
+                               "stream (they wait for its ticks) or go through the AsyncLLM, not step()")
+
+    def _driven_elsewhere(self) -> bool:
+        return self._driver is not None and self._driver != threading.get_ident()
 
     def _submit(self, seq: Sequence) -> None:
-        self._check_driver()
-        self._outputs[seq.request_id] = collections.deque()
-        self.engine.add(seq)
+        with self._engine_lock:
+            self._outputs[seq.request_id] = collections.deque()
+            self.engine.add(seq)
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = self._wake_driver
+        if wake is not None:
+            wake()
+
+    def _run_until(self, done: Callable[[], Any]) -> None:
+        """Tick the engine until done() (checked under the engine lock); while another thread drives the engine (an
+        AsyncLLM), wait for its ticks instead. Between ticks the lock is let go so other callers can add requests."""
+        while True:
+            with self._stepped:
+                if done():
+                    return
+                if self._driven_elsewhere():
+                    self._stepped.wait(0.05)
+                    continue
+                self.step()
+            time.sleep(0)  # let a waiting caller take the lock (Python locks are not fair)
 
     def _tick(self) -> None:
         self.step()
@@ -257,10 +298,11 @@ class LLM:
     def _close(self, seq: Sequence) -> None:
         """Abort if unfinished, then run the pipeline until no launched step references the sequence (so its pages are
         back before the caller looks at stats)."""
-        self.engine.abort(seq.request_id)
-        while seq.status != "released" and self.engine.has_work():
-            self._tick()
-        self._outputs.pop(seq.request_id, None)
+        with self._engine_lock:
+            self.engine.abort(seq.request_id)
+        self._run_until(lambda: seq.status == "released" or not self.engine.has_work())
+        with self._engine_lock:
+            self._outputs.pop(seq.request_id, None)
 
     # ---- validation -------------------------------------------------------------------------------------------------
     def _require_tokenizer(self):
@@ -269,10 +311,32 @@ class LLM:
                              "{'prompt_token_ids': [...]} (text output is unavailable too)")
         return self.tokenizer
 
+    def _check_prompt_size(self, num_bytes: int, rendered: bool = False) -> None:
+        """Refuse text that is over the byte limit, or that cannot fit the context whatever it tokenizes to, before
+        any tokenizing (a 15 MB prompt would hold a thread for ~20 s to learn it has 4 million tokens)."""
+        limit = self.engine_config.limits.max_prompt_bytes
+        if num_bytes > limit and not rendered:
+            raise ValueError(f"prompt is {num_bytes} bytes; this engine accepts at most {limit} (max_prompt_bytes)")
+        least = -(-num_bytes // self._max_bytes_per_token())
+        if least >= self.max_model_len:
+            raise ValueError(f"prompt has at least {least} tokens ({num_bytes} bytes of text); the context holds "
+                             f"{self.max_model_len}")
+
+    def _max_bytes_per_token(self) -> int:
+        """Most UTF-8 bytes of input text one token can stand for: the longest vocabulary entry (byte-level and
+        SentencePiece pieces are never shorter in UTF-8 than the text they encode), times 4 for normalizers that
+        shrink text (NFC/NFKC compose up to 3 code points into one)."""
+        if self._bytes_per_token is None:
+            tok = self._require_tokenizer()
+            # A tokenizer without the method (a user's own): no bound, only the byte limit applies.
+            self._bytes_per_token = 4 * tok.max_token_bytes() if hasattr(tok, "max_token_bytes") else 2**62
+        return self._bytes_per_token
+
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("empty prompt" if not prompt else "empty prompt (only whitespace)")
+            self._check_prompt_size(_text_bytes(prompt))
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt_token_ids"}
@@ -295,7 +359,8 @@ class LLM:
         return ids
 
     def _make_sequences(self, prompt_ids: list[list[int]],
-                        params: SamplingParams | Iterable[SamplingParams] | None) -> list[Sequence]:
+                        params: SamplingParams | Iterable[SamplingParams] | None,
+                        request_ids: list[int] | None = None) -> list[Sequence]:
         if not prompt_ids:
             raise ValueError("no prompts given")
         if params is None:
@@ -324,14 +389,22 @@ class LLM:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            check_limits(p, self.engine_config.limits)
             constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
-            seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))
-            seq = Sequence(self._next_id, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
+            with self._lock:
+                seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))
+                rid = request_ids[len(seqs)] if request_ids is not None else self._new_request_id()
+            seq = Sequence(rid, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
                            max_model_len=self.max_model_len, seed=seed)
             seq.constraint = constraint
             seqs.append(seq)
-            self._next_id += 1
         return seqs
+
+    def _new_request_id(self) -> int:
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            return rid
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -339,6 +412,43 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         # A resized random model may keep its preset's EOS ids past the vocabulary: they can never be sampled.
         return tuple(sorted(i for i in ids if 0 <= i < self.config.vocab_size))
+
+
+def check_limits(p: SamplingParams, limits) -> None:
+    """A request's stop strings and constraint against the engine's Limits (engine/config.py): ValueError naming the
+    limit. Cheap: runs before the constraint is compiled."""
+    if len(p.stop) > limits.max_stop_strings:
+        raise ValueError(f"{len(p.stop)} stop strings; this engine accepts at most {limits.max_stop_strings} "
+                         "(max_stop_strings)")
+    longest = max((_utf8_len(t) for t in p.stop), default=0)
+    if longest > limits.max_stop_bytes:
+        raise ValueError(f"a stop string of {longest} bytes; this engine accepts at most {limits.max_stop_bytes} "
+                         "(max_stop_bytes)")
+    spec = p.constraint
+    if spec is None:
+        return
+    kind, value = spec
+    if kind == "choice" and len(value) > limits.max_choices:
+        raise ValueError(f"choice has {len(value)} options; this engine accepts at most {limits.max_choices} "
+                         "(max_choices)")
+    size = sum(map(_utf8_len, value)) if kind == "choice" else _utf8_len(value)
+    if size > limits.max_constraint_bytes:
+        raise ValueError(f"{kind} is {size} bytes; this engine accepts at most {limits.max_constraint_bytes} "
+                         "(max_constraint_bytes)")
+
+
+def _text_bytes(text: str) -> int:
+    """UTF-8 length of a prompt; ValueError for text that is not valid Unicode (lone surrogates: what Python makes of
+    undecodable bytes in argv or a file read with errors="surrogateescape")."""
+    try:
+        return len(text) if text.isascii() else len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("prompt is not valid UTF-8 text (it holds undecodable bytes)") from None
+
+
+def _utf8_len(text: str) -> int:
+    """UTF-8 length of `text` without encoding it when that is not needed (ASCII-only text: its length)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _load_tokenizer(path, vocab_size: int):

@@ -1,17 +1,22 @@
 """AsyncLLM: the engine loop in its own thread, driven by many concurrent asyncio callers (what a server uses).
 
-Requests are validated in the caller's thread (`LLM.prepare_request`: bad input raises there, before anything is
-queued); the engine thread owns the LLM's engine state, drives it through `add_request` / `step` / `abort`, and hands
+Requests are prepared (validated, tokenized, their constraint compiled: `LLM.prepare_request`) on a few worker threads
+(`Preparer`), never on the caller's event loop nor in the engine thread: a huge prompt or grammar delays only itself.
+Bad input comes back as the request's first output, `Rejected` (`generate` raises it as ValueError); nothing is
+queued. The engine thread owns the LLM's engine state, drives it through `add_request` / `step` / `abort`, and hands
 outputs back to each caller's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import jax
 
@@ -20,6 +25,71 @@ from jphoton.params import SamplingParams
 from jphoton.sequence import RequestOutput
 
 log = logging.getLogger("jphoton")
+
+PREPARE_THREADS = 2  # requests prepared at once (each may tokenize a long prompt or compile a grammar)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """The first (and only) item on a request's output queue when preparing it failed (bad input): nothing was queued."""
+
+    message: str
+
+
+class Preparer:
+    """Runs request preparation on PREPARE_THREADS worker threads. `submit(key, fn)`; the owner collects finished ones
+    with `take()`: (key, fn's result or its ValueError, cancelled?) in completion order. `on_done` (from a worker
+    thread) tells the owner that something is ready. Thread-safe."""
+
+    def __init__(self, on_done: Callable[[], None] | None = None, workers: int = PREPARE_THREADS):
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jphoton-prepare")
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: dict[Any, bool] = {}  # key -> cancelled
+        self.on_done = on_done
+
+    def submit(self, key, fn: Callable[[], Any]) -> None:
+        with self._lock:
+            self._pending[key] = False
+        self._pool.submit(self._work, key, fn)
+
+    def cancel(self, key) -> bool:
+        """Mark a request still being prepared as cancelled (take() reports it so); False if it is not pending."""
+        with self._lock:
+            if key not in self._pending:
+                return False
+            self._pending[key] = True
+            return True
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def take(self) -> list[tuple[Any, Any, bool]]:
+        out = []
+        while True:
+            try:
+                key, result = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            with self._lock:
+                cancelled = self._pending.pop(key)
+            out.append((key, result, cancelled))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _work(self, key, fn) -> None:
+        try:
+            result = fn()
+        except ValueError as e:
+            result = e
+        except Exception as e:  # noqa: BLE001 - a bug in preparation fails this request, not the server
+            log.exception("preparing a request failed")
+            result = ValueError(f"cannot prepare the request: {type(e).__name__}: {e}")
+        self._done.put((key, result))
+        if self.on_done is not None:
+            self.on_done()
 
 
 class AsyncLLM:
@@ -30,20 +100,23 @@ class AsyncLLM:
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self._error: BaseException | None = None
+        self._preparer = Preparer(on_done=self._wake.set)
+        tokenize_long_prompts_apart(llm)
         self._thread = threading.Thread(target=self._run, name="jphoton-engine", daemon=True)
         self._thread.start()
 
     # ---- callers ---------------------------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> tuple[int, asyncio.Queue]:
-        """Validate and enqueue; returns (request id, queue of RequestOutputs). Raises ValueError on bad input."""
+        """Enqueue for preparation; returns (request id, queue of RequestOutputs) at once. Bad input arrives on the
+        queue as one `Rejected`."""
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
-        seq = self.llm.prepare_request(prompt, params)
+        rid = self.llm.new_request_id()
         outputs: asyncio.Queue = asyncio.Queue()
-        self._sinks[seq.request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", seq))
-        self._wake.set()
-        return seq.request_id, outputs
+        self._sinks[rid] = (asyncio.get_running_loop(), outputs)
+        llm = self.llm
+        self._preparer.submit(rid, lambda: prepare(llm, prompt, params, rid))
+        return rid, outputs
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs (`.delta.text`, `.delta.token_ids`, `.delta.finish_reason`) for one request. Leaving the
@@ -55,6 +128,9 @@ class AsyncLLM:
                 out = await outputs.get()
                 if out is None:
                     raise RuntimeError(f"engine loop died: {self._error!r}")
+                if isinstance(out, Rejected):
+                    finished = True
+                    raise ValueError(out.message)
                 finished = out.delta.finish_reason is not None
                 yield out
                 if finished:
@@ -77,8 +153,8 @@ class AsyncLLM:
         return self.llm.has_unfinished_requests()
 
     def chat_prompt(self, messages: list[dict]) -> dict:
-        """The prompt `submit` takes for a chat (the chat template applied). Raises ValueError without a tokenizer."""
-        return {"prompt_token_ids": self.llm.encode_chat(messages)}
+        """The prompt `submit` takes for a chat (the template is applied when the request is prepared)."""
+        return ChatPrompt(messages)
 
     @property
     def info(self) -> dict:
@@ -88,18 +164,23 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._preparer.shutdown()
 
     # ---- the engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         llm = self.llm
         llm._driver = threading.get_ident()  # from now on only this thread may step the LLM (LLM._check_driver)
+        llm._wake_driver = self._wake.set  # generate() from other threads adds requests and waits for our ticks
         try:
             while not self._stop:
-                self._drain_commands()
-                if llm.has_unfinished_requests():
-                    for out in llm.step():
-                        self._deliver(out)
-                else:
+                with llm._engine_lock:
+                    self._add_prepared()
+                    self._drain_commands()
+                    busy = llm.has_unfinished_requests()
+                    if busy:
+                        for out in llm.step():
+                            self._deliver(out)
+                if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
         except BaseException as e:  # a bug, not bad input: fail every waiting caller loudly rather than hang them
@@ -109,6 +190,19 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(sink.put_nowait, None)
         finally:
             llm._driver = None
+            llm._wake_driver = None
+
+    def _add_prepared(self) -> None:
+        for rid, seq, cancelled in self._preparer.take():
+            if isinstance(seq, ValueError):
+                self._reject(rid, str(seq))
+            elif cancelled:
+                self._deliver(seq.output(seq.finish("abort")))
+            else:
+                try:
+                    self.llm.add_request(seq)
+                except ValueError as e:
+                    self._deliver(seq.output(seq.finish("error", str(e))))
 
     def _drain_commands(self) -> None:
         while True:
@@ -116,15 +210,19 @@ class AsyncLLM:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                try:
-                    self.llm.add_request(arg)
-                except ValueError as e:
-                    self._deliver(arg.output(arg.finish("error", str(e))))
-            elif kind == "abort":
+            if kind == "abort" and not self._preparer.cancel(arg):
                 out = self.llm.abort(arg)
                 if out is not None:
                     self._deliver(out)
+
+    def _reject(self, rid: int, message: str) -> None:
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            loop, outputs = sink
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, Rejected(message))
+            except RuntimeError:
+                pass
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
@@ -137,6 +235,27 @@ class AsyncLLM:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A chat as a prompt for `AsyncLLM.submit` / the engine process: the template is applied when it is prepared."""
+
+    messages: list
+
+
+def tokenize_long_prompts_apart(llm: LLM) -> None:
+    """Servers: long prompts are tokenized in a helper process (jphoton/tokenizer.py, HELPER_MIN_CHARS), so that no
+    thread of the serving process waits seconds for the GIL."""
+    if hasattr(llm.tokenizer, "use_helper_process"):
+        llm.tokenizer.use_helper_process()
+
+
+def prepare(llm: LLM, prompt, params: SamplingParams | None, request_id: int | None = None):
+    """`llm.prepare_request` for any prompt `submit` takes (ChatPrompt included)."""
+    if isinstance(prompt, ChatPrompt):
+        prompt = {"prompt_token_ids": llm.encode_chat(prompt.messages)}
+    return llm.prepare_request(prompt, params, request_id=request_id)
 
 
 def model_info(llm: LLM) -> dict:

@@ -47,6 +47,16 @@ def _int_in(lo: int, hi: int | None = None):
     return parse
 
 
+# `jphoton serve` flags for EngineConfig.limits: what one request may ask for (INVALID_ARGUMENT beyond).
+_LIMIT_FLAGS = {
+    "max_prompt_bytes": "largest text prompt (UTF-8 bytes; a chat: its messages together)",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_bytes": "longest stop string (UTF-8 bytes)",
+    "max_constraint_bytes": "largest json_schema / regex / grammar (bytes; choice: all options together)",
+    "max_choices": "most options of a choice (below 2000)",
+}
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -134,8 +144,9 @@ def _cmd_generate(args) -> int:
 
 def _cmd_convert(args) -> int:
     from jphoton.weights import load_model
-    from jphoton.weights.store import save_store
+    from jphoton.weights.store import check_store_dest, save_store
 
+    check_store_dest(pathlib.Path(args.dest))  # before minutes of loading
     m = load_model(args.src, args.dtype, cache=False, progress=True)
     save_store(pathlib.Path(args.dest), m.config, m.params, m.tokenizer)
     print(f"wrote {args.dest} ({m.config.name or m.source}, {m.dtype.name})", file=sys.stderr)
@@ -152,8 +163,9 @@ def _cmd_serve(args) -> int:
 
     # The default warm-up: health turns SERVING once a first request's shapes are compiled; the rest compile in the
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
+    limits = {name: getattr(args, name) for name in _LIMIT_FLAGS}
     build = functools.partial(LLM, args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **limits)
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
@@ -171,6 +183,8 @@ def _cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jphoton.engine.config import Limits  # plain Python: no jax import for --help
+
     parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
     parser.add_argument("--version", action="version", version=f"jphoton {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
     s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
+    limits = Limits()
+    for name, help_text in _LIMIT_FLAGS.items():  # per request, checked at submission (EngineConfig.limits)
+        s.add_argument("--" + name.replace("_", "-"), type=_int_in(1, 1999 if name == "max_choices" else None),
+                       default=getattr(limits, name), help=help_text)
     s.set_defaults(func=_cmd_serve)
 
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ FILL_MODES = ("auto", "parallel", "serial")
 # machine is doing decide it, and that differs by machine.
 AUTO_TRIALS = 16
 AUTO_MIN_ROWS = 4
+PROBE_STEPS = 4  # tokens a new constraint is walked at submission (GrammarCompiler._probe)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -47,6 +48,7 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids)
         self._lltok = None
         self._executor = None
+        self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
 
@@ -60,6 +62,7 @@ class GrammarCompiler:
             self._lltok = llguidance.LLTokenizer(self._tokenizer.hf_json(), n_vocab=self.vocab_size,
                                                  eos_token=self._eos or None)
             self._executor = llguidance.LLExecutor()
+            self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name the problem, not the state
         return llguidance
 
     def compile(self, params: SamplingParams) -> Constraint | None:
@@ -82,10 +85,30 @@ class GrammarCompiler:
             raise ValueError(f"invalid {kind}: {_cut(str(e))}") from None
         except RecursionError:
             raise ValueError(f"invalid {kind}: nested too deeply") from None
-        matcher = llg.LLMatcher(self._lltok, grammar, log_level=0)
+        matcher = llg.LLMatcher(self._lltok, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
-            raise ValueError(f"invalid {kind}: {_cut(matcher.get_error().strip())}")
+            raise ValueError(f"invalid {kind}: {_cut(_error_of(matcher))}")
+        error = self._probe(matcher)
+        if error:
+            raise ValueError(f"{kind} cannot be served: {_cut(error)}")
         return Constraint(kind, matcher)
+
+    def _probe(self, matcher) -> str:
+        """Walk a copy of the matcher PROBE_STEPS tokens in (the lowest allowed non-EOS token each time): a grammar that
+        compiles but exceeds llguidance's limits as soon as it is used (a counted repetition like a{1000000}, a choice
+        past the parser's row limit) fails here, at submission, instead of mid-generation. The error, or ""."""
+        probe = matcher.deep_copy()
+        eos = set(self._eos)
+        for _ in range(PROBE_STEPS):
+            bits = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little")
+            if probe.is_error():
+                return _error_of(probe)
+            allowed = [t for t in np.flatnonzero(bits[:self.vocab_size]).tolist()[:len(eos) + 1] if t not in eos]
+            if not allowed:
+                return ""  # only EOS (or nothing) may follow: the walk is over
+            if not probe.consume_token(allowed[0]):
+                return _error_of(probe)
+        return ""
 
     # ---- many rows at once ----------------------------------------------------------------------------------------
     def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> None:
@@ -144,7 +167,11 @@ class Constraint:
         return self.matcher.is_stopped()
 
     def error(self) -> str:
-        return self.matcher.get_error().strip()
+        return _error_of(self.matcher)
+
+
+def _error_of(matcher) -> str:
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def _cut(text: str, limit: int = 300) -> str:

@@ -87,6 +87,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {short(value)}")
+        if self.grammar is not None and not self.grammar.strip():  # (a regex of spaces is a fine regex)
+            raise ValueError("grammar is blank: it has no rules")
         if self.choice is not None:
             if not isinstance(self.choice, tuple) or not self.choice or not all(
                     isinstance(c, str) and c for c in self.choice):

@@ -7,12 +7,24 @@ constructor (weights/gguf_file.py rebuilds one from GGUF metadata).
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
+import numpy as np
 import tokenizers
+
+log = logging.getLogger("jphoton")
+
+# Texts this long (characters) are tokenized in a helper process once `use_helper_process()` was called (servers do):
+# tokenizers' encode holds the GIL for its whole run (2 s for 2 MB on a 2-core CPU), which would stall the engine loop
+# and every other thread of the process, health checks included.
+HELPER_MIN_CHARS = 64 * 2**10
 
 
 class Tokenizer:
@@ -29,6 +41,10 @@ class Tokenizer:
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self._template: jinja2.Template | None = None
+        self._max_token_bytes: int | None = None
+        self._helper: subprocess.Popen | None = None
+        self._helper_wanted = False
+        self._helper_lock = threading.Lock()
 
     # ---- sources ------------------------------------------------------------------------------------------------
     @classmethod
@@ -63,8 +79,36 @@ class Tokenizer:
             "add_bos_token": self.add_bos}, indent=1))
 
     # ---- text <-> ids -------------------------------------------------------------------------------------------
+    def use_helper_process(self) -> None:
+        """From now on tokenize long texts (>= HELPER_MIN_CHARS) in a helper process (started on first use)."""
+        self._helper_wanted = True
+
+    def _encode_far(self, text: str) -> list[int] | None:
+        """Token ids from the helper process (jphoton/tokenize_helper.py; one text at a time), or None if it failed."""
+        from jphoton.tokenize_helper import read_message, write_message
+
+        with self._helper_lock:
+            try:
+                if self._helper is None:
+                    self._helper = subprocess.Popen([sys.executable, "-m", "jphoton.tokenize_helper"],
+                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                    write_message(self._helper.stdin, self._tok.to_str().encode())
+                write_message(self._helper.stdin, text.encode("utf-8", "surrogatepass"))
+                data = read_message(self._helper.stdout)
+            except OSError:
+                data = None
+            if data is None:
+                log.error("the tokenizer helper process failed; tokenizing in this process from now on")
+                self._helper_wanted = False
+                return None
+        return np.frombuffer(data, np.int32).tolist()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = None
+        if self._helper_wanted and len(text) >= HELPER_MIN_CHARS:
+            ids = self._encode_far(text)
+        if ids is None:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -75,6 +119,14 @@ class Tokenizer:
     def hf_json(self) -> str:
         """The tokenizer as HF `tokenizer.json` text (what llguidance and other tools take)."""
         return self._tok.to_str()
+
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token stands for more input text than this (byte-level and
+        SentencePiece pieces are never shorter in UTF-8 than the bytes they encode), before normalization."""
+        if self._max_token_bytes is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        return self._max_token_bytes
 
     def special_token_ids(self) -> set[int]:
         return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}

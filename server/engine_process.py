@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.async_llm import model_info
+from jphoton.async_llm import ChatPrompt, Preparer, Rejected, model_info, prepare, tokenize_long_prompts_apart
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
 
@@ -49,13 +49,6 @@ class Spawn:
 
     build: Callable[[], Any]
     start_timeout: float | None = None  # seconds for the child to build the LLM (None: no limit)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rejected:
-    """The first (and only) item on a request's output queue when the engine refused it (bad input)."""
-
-    message: str
 
 
 class EngineDied(RuntimeError):
@@ -152,7 +145,7 @@ class EngineProcess:
             self._send(("abort", request_id))
 
     def chat_prompt(self, messages: list[dict]):
-        return ("chat", messages)  # the child applies the chat template (it has the tokenizer)
+        return ChatPrompt(messages)  # the child applies the chat template (it has the tokenizer)
 
     def stats(self) -> dict:
         """The child's latest snapshot (at most ~0.25 s old while it is busy, exact once it is idle)."""
@@ -281,14 +274,19 @@ class _EngineLoop:
         self.stopping = False
         self.out: list = []
         self.stats_at = 0.0
+        # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
+        self.preparer = Preparer()
+        tokenize_long_prompts_apart(llm)
 
     def run(self) -> None:
         llm = self.llm
         while True:
             busy = llm.has_unfinished_requests()
-            # Block on the pipe only when there is nothing to step (the first command wakes us).
-            if self.commands.poll(0 if busy else 0.5):
+            # Block on the pipe only when there is nothing to step (the first command wakes us); while requests are
+            # being prepared, look back soon.
+            if self.commands.poll(0 if busy else 0.005 if self.preparer.pending() else 0.5):
                 self._drain()
+            self._add_prepared()
             if llm.has_unfinished_requests():
                 for o in llm.step():
                     self._output(o)
@@ -301,7 +299,8 @@ class _EngineLoop:
             if self.out:
                 self.events.send_bytes(pickle.dumps(self.out, protocol=pickle.HIGHEST_PROTOCOL))
                 self.out = []
-            if self.stopping and not llm.has_unfinished_requests():
+            if self.stopping and not llm.has_unfinished_requests() and not self.preparer.pending():
+                self.preparer.shutdown()
                 return
 
     def _drain(self) -> None:
@@ -316,24 +315,12 @@ class _EngineLoop:
             kind = cmd[0]
             if kind == "add":
                 _, rid, prompt, params = cmd
-                try:
-                    if isinstance(prompt, tuple) and prompt[0] == "chat":
-                        prompt = {"prompt_token_ids": llm.encode_chat(prompt[1])}
-                    seq = llm.prepare_request(prompt, params)
-                except ValueError as e:
-                    self.out.append(("reject", rid, str(e)))
-                    continue
-                if self.stopping:
-                    self._output(seq.output(seq.finish("abort")), rid)
-                    continue
-                self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
-                try:
-                    llm.add_request(seq)
-                except ValueError as e:
-                    self._output(seq.output(seq.finish("error", str(e))))
+                self.preparer.submit(rid, lambda p=prompt, q=params: prepare(llm, p, q))
             elif kind == "abort":
                 eid = self.engine_id.get(cmd[1])
-                if eid is not None:
+                if eid is None:
+                    self.preparer.cancel(cmd[1])
+                else:
                     o = llm.abort(eid)
                     if o is not None:
                         self._output(o)
@@ -342,6 +329,19 @@ class _EngineLoop:
             elif kind == "shutdown":
                 self._abort_all()
                 self.stopping = True
+
+    def _add_prepared(self) -> None:
+        for rid, seq, cancelled in self.preparer.take():
+            if isinstance(seq, ValueError):
+                self.out.append(("reject", rid, str(seq)))
+            elif cancelled or self.stopping:
+                self._output(seq.output(seq.finish("abort")), rid)
+            else:
+                self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
+                try:
+                    self.llm.add_request(seq)
+                except ValueError as e:
+                    self._output(seq.output(seq.finish("error", str(e))))
 
     def _abort_all(self) -> None:
         for eid in list(self.front_id):

@@ -152,7 +152,7 @@ class EngineServicer:
         try:
             while not finished:
                 batch = [await outputs.get()]
-                if first and isinstance(batch[0], Rejected):  # the engine process refused it: nothing was queued
+                if first and isinstance(batch[0], Rejected):  # preparing it failed (bad input): nothing was queued
                     finished = True
                     await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, batch[0].message)
                 while batch[-1] is not None and batch[-1].delta.finish_reason is None and not outputs.empty():

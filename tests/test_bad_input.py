@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -221,3 +222,87 @@ def test_serve_on_a_taken_port_or_a_foreign_host_is_one_line(capsys):
     assert "jphoton: error: cannot bind" in err and "Traceback" not in err
     assert main(["serve", "--host", "999.1.1.1", "--port", "0"]) == 2
     assert "jphoton: error: cannot bind" in capsys.readouterr().err
+
+
+def test_limits_are_checked_at_submission_before_any_work(embedded_llm):
+    """Issue 24 items 1 and 3: 1.5 million stop strings were accepted (and scanned every token); a 15 MB prompt was
+    tokenized (~20 s) before anything looked at its size. The limits live in EngineConfig.limits."""
+    import time
+
+    from jphoton.engine.config import EngineConfig, Limits
+
+    llm = embedded_llm
+    limits = llm.engine_config.limits
+    assert limits == Limits()  # the documented defaults
+    cases = [
+        (SamplingParams(stop=tuple(f"s{i}" for i in range(limits.max_stop_strings + 1))), "max_stop_strings"),
+        (SamplingParams(stop=("x" * (limits.max_stop_bytes + 1),)), "max_stop_bytes"),
+        (SamplingParams(regex="a" * (limits.max_constraint_bytes + 1)), "max_constraint_bytes"),
+        (SamplingParams(choice=tuple(f"c{i}" for i in range(limits.max_choices + 1))), "max_choices"),
+    ]
+    for params, limit in cases:
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=limit) as e:
+            llm.generate("hi", params)
+        assert time.perf_counter() - t0 < 0.5 and len(str(e.value)) < 200
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        llm.generate("a" * (limits.max_prompt_bytes + 1))
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        llm.chat([{"role": "user", "content": "é" * (limits.max_prompt_bytes // 2 + 1)}])  # 2 UTF-8 bytes each
+    with pytest.raises(ValueError, match=r"at least \d+ tokens .* the context holds"):  # admitted, cannot fit
+        llm.generate("word " * (limits.max_prompt_bytes // 5))
+    assert time.perf_counter() - t0 < 2.0  # nothing was tokenized
+    ok = SamplingParams(max_tokens=2, temperature=0, stop=tuple(f"s{i}" for i in range(limits.max_stop_strings)))
+    assert len(llm.generate("Hello", ok)[0].token_ids) == 2  # at the limit: accepted
+    custom = EngineConfig.from_kwargs(max_stop_strings=2, max_prompt_bytes=10, max_choices=5).limits
+    assert (custom.max_stop_strings, custom.max_prompt_bytes, custom.max_choices) == (2, 10, 5)
+    with pytest.raises(ValueError, match="max_choices must be below 2000"):
+        Limits(max_choices=2000)
+    with pytest.raises(ValueError, match="max_stop_strings must be a positive integer"):
+        Limits(max_stop_strings=0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(regex="a{1000000}"),
+    SamplingParams(regex="(a|aa){5000}b"),
+])
+def test_constraints_past_llguidance_limits_fail_at_submission(embedded_llm, params):
+    """Issue 24 item 6: accepted, then ABORTED mid-flight with "grammar rejected token". A short walk of the compiled
+    matcher at submission finds the limit (GrammarCompiler._probe)."""
+    with pytest.raises(ValueError, match="cannot be served: lexer error") as e:
+        embedded_llm.generate("hi", params)
+    assert len(str(e.value)) < 300
+    out = embedded_llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, regex="[a-z]{3}"))[0]
+    assert out.finish_reason in ("stop", "length") and len(out.text) == 3
+
+
+def test_a_choice_past_the_parser_row_limit_is_refused_by_the_probe(embedded_llm):
+    """Without the max_choices limit, llguidance's own row limit (2,000 items) is found by the probe at submission."""
+    compiler = embedded_llm.grammar
+    with pytest.raises(ValueError, match="choice cannot be served: .*max is 2000"):
+        compiler.compile(SamplingParams(choice=tuple(f"o{i}" for i in range(2000))))
+    assert compiler.compile(SamplingParams(choice=tuple(f"o{i}" for i in range(1998)))) is not None
+
+
+def test_an_empty_grammar_is_refused(embedded_llm):
+    """Issue 24 item 12: an empty grammar was accepted."""
+    for grammar in ("", "   \n"):
+        with pytest.raises(ValueError, match="grammar"):
+            embedded_llm.generate("hi", SamplingParams(grammar=grammar))
+
+
+def test_cli_convert_and_undecodable_prompt_are_one_line_errors(capsys, tmp_path):
+    """Issue 24 item 12: tracebacks (exit 1) for convert onto an existing file or into an unwritable place, and for a
+    prompt with invalid UTF-8 bytes (Python hands argv's undecodable bytes over as lone surrogates)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for dest, match in [(afile, "is not a directory"), (afile / "sub", "cannot write"),
+                        (pathlib.Path("/proc/no-such-dir/store"), "cannot write")]:
+        assert main(["convert", "random:smollm2-135m:layers=1", str(dest)]) == 2
+        err = capsys.readouterr().err
+        assert "jphoton: error:" in err and match in err and "Traceback" not in err, err
+    argv_prompt = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")
+    assert main(["generate", argv_prompt, "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid UTF-8" in err and "Traceback" not in err

@@ -35,8 +35,10 @@ def proc_srv(embedded_llm):
     lp_ref = embedded_llm.generate(PROMPTS[1], SamplingParams(max_tokens=NEW, temperature=0, logprobs=3))[0]
     [chat_ref] = embedded_llm.chat([{"role": "user", "content": "What is 2+2?"}],
                                    SamplingParams(max_tokens=NEW, temperature=0))
-    build = functools.partial(LLM, None, dtype="float32", freeze_gc=False, warmup="full", **ENGINE_ARGS)
-    handle = serve(Spawn(build), port=0, max_queue=256, wait=True)
+    # max_prompt_bytes: a limit that admits the 15 MB prompt of the stall test (the default is 8 MiB)
+    build = functools.partial(LLM, None, dtype="float32", freeze_gc=False, warmup="full", max_prompt_bytes=32 * 2**20,
+                              **ENGINE_ARGS)
+    handle = serve(Spawn(build), port=0, max_queue=256, wait=True, max_message_bytes=32 * 2**20)
     channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
     yield handle, pb_grpc.EngineStub(channel), refs, lp_ref, chat_ref
     channel.close()
@@ -108,6 +110,9 @@ def test_bad_input_is_invalid_argument_and_nothing_is_queued(proc_srv):
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, info.vocab_size + 5]), sampling=pb.SamplingParams(max_tokens=2)),
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (info.max_context + 1))),  # longer than the context
         pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(json_schema="{not json")),
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(regex="a{1000000}")),  # issue 24 item 6
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(100)])),  # item 3
+        pb.GenerateRequest(text="   "),
     ]
     for request in bad:  # refused by the engine process, answered before any message
         with pytest.raises(grpc.RpcError) as e:
@@ -158,6 +163,66 @@ def test_64_streams_with_cancels_and_aborts_free_every_page(proc_srv):
     assert s.kv_pages_free == s.kv_pages_total and s.num_compiles == compiles
 
 
+def _largest_gap(stub, during=None) -> tuple[float, list]:
+    """The largest gap between two messages of a 40-token greedy stream (after its first token); `during()` runs on
+    a thread started once the first token has arrived. Returns (gap in s, what during() returned)."""
+    import threading
+
+    result: list = []
+    times = []
+    thread = None
+    request = pb.GenerateRequest(text=PROMPTS[2], sampling=pb.SamplingParams(max_tokens=40, temperature=0,
+                                                                             ignore_eos=True))
+    for _ in stub.Generate(request, timeout=120):
+        times.append(time.perf_counter())
+        if during is not None and thread is None:
+            thread = threading.Thread(target=lambda: result.append(during()))
+            thread.start()
+    if thread is not None:
+        thread.join()
+    return max(b - a for a, b in zip(times[1:], times[2:], strict=False)), result
+
+
+@pytest.mark.parametrize("megabytes", [15, 2])
+def test_a_huge_prompt_stalls_no_stream_and_no_health_check(proc_srv, megabytes):
+    """Issue 24 item 1: a 15 MB prompt stalled every stream and health check for ~8 s while it was tokenized on the
+    event loop. Now preparation runs on worker threads after size checks that need no tokenizing (15 MB cannot fit an
+    8,192-token context: refused at once; 2 MB is tokenized, then refused for its length)."""
+    handle, stub, *_ = proc_srv
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{handle.port}"))
+    big = ("All work and no play makes Jack a dull boy. " * (megabytes * 2**20 // 44 + 1))[:megabytes * 2**20]
+
+    def hostile():
+        import threading
+
+        checks = []
+        done = threading.Event()
+
+        def poll_health():
+            while not done.is_set():
+                t0 = time.perf_counter()
+                health.Check(health_pb2.HealthCheckRequest(service="jphoton.v1.Engine"), timeout=10)
+                checks.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text=big, sampling=pb.SamplingParams(max_tokens=4)), timeout=120))
+        took = time.perf_counter() - t0
+        done.set()
+        poller.join()
+        return e.value.code(), e.value.details(), took, max(checks)
+
+    quiet, _ = _largest_gap(stub)
+    busy, [(code, details, took, slowest_health)] = _largest_gap(stub, hostile)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "the context holds" in details and len(details) < 300
+    assert slowest_health < 0.25, f"a health check took {slowest_health * 1e3:.0f} ms"
+    assert busy <= 3 * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
+    _wait_idle(stub)
+
+
 def test_a_child_that_cannot_build_its_llm_fails_the_load():
     ep = EngineProcess(Spawn(functools.partial(LLM, "random:no-such-model")))
     with pytest.raises(ValueError, match="no-such-model"):
@@ -180,3 +245,4 @@ def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{handle.port}"))
     status = health.Check(health_pb2.HealthCheckRequest(service="jphoton.v1.Engine"), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+

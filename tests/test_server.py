@@ -333,15 +333,21 @@ def test_logprobs_over_grpc_equal_llm_generate(srv):
     srv.wait_idle()
 
 
-def test_the_served_llm_refuses_a_second_driver(srv):
-    """While the server's engine thread drives the LLM, stepping it from another thread is a clear error, not a
-    corrupted engine: the server keeps serving."""
-    with pytest.raises(RuntimeError, match="drives this LLM"):
-        srv.llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+def test_the_served_llm_takes_generate_from_another_thread(srv):
+    """Issue 24 item 2: generate on the LLM the server drives dropped tokens from the server's streams. Now its requests
+    join the server's batches (the server's engine thread ticks; generate waits for its ticks), and both get all their
+    tokens. step() from another thread stays a clear error (it would take the server's outputs)."""
+    import concurrent.futures
+
+    greedy = SamplingParams(max_tokens=NEW, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        served = [pool.submit(lambda i=i: _collect(srv.stub.Generate(
+            pb.GenerateRequest(text=PROMPTS[i % 4], sampling=GREEDY), timeout=60))[0]) for i in range(6)]
+        local = [pool.submit(lambda i=i: srv.llm.generate(PROMPTS[i % 4], greedy)[0].token_ids) for i in range(2)]
+        assert [f.result() for f in served] == [srv.refs[i % 4].token_ids for i in range(6)]
+        assert [f.result() for f in local] == [srv.refs[i % 4].token_ids for i in range(2)]
     with pytest.raises(RuntimeError, match="drives this LLM"):
         srv.llm.step()
-    tokens, _, _ = _collect(srv.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=GREEDY), timeout=60))
-    assert tokens == srv.refs[0].token_ids
     srv.wait_idle()
 
 

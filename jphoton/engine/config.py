@@ -33,10 +33,32 @@ class Kernels:
     unroll_layers: bool | None = None  # None: unrolled on GPU (faster steps), scanned on CPU (faster compiles)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, checked at submission before any work on it (tokenizing, compiling a grammar):
+    a request over a limit is a ValueError (INVALID_ARGUMENT over gRPC) naming the limit. Raise them as needed."""
+
+    max_prompt_bytes: int = 8 * 2**20  # a text prompt (UTF-8), or a chat's messages together
+    max_stop_strings: int = 64  # stop strings per request (the engine checks each against every new token's text)
+    max_stop_bytes: int = 1024  # UTF-8 bytes of one stop string
+    max_constraint_bytes: int = 256 * 2**10  # a json_schema / regex / grammar text, or all choice options together
+    max_choices: int = 1024  # options of a `choice` (llguidance's parser takes fewer than 2,000)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f.name} must be a positive integer, got {v!r}")
+        if self.max_choices >= 2000:
+            raise ValueError(f"max_choices must be below 2000 (llguidance's parser limit), got {self.max_choices}")
+
+
 # LLM(...) keywords that live in a group: keyword -> (group, field).
 _GROUPED = {"decode_buckets": ("buckets", "decode"), "prefill_buckets": ("buckets", "prefill"),
-            "context_buckets": ("buckets", "context"), **{f.name: ("kernels", f.name) for f in
-                                                           dataclasses.fields(Kernels)}}
+            "context_buckets": ("buckets", "context"),
+            **{f.name: ("kernels", f.name) for f in dataclasses.fields(Kernels)},
+            **{f.name: ("limits", f.name) for f in dataclasses.fields(Limits)}}
+_GROUPS = ("buckets", "kernels", "limits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +84,7 @@ class EngineConfig:
     cache_converted: bool | None = None  # cache GGUF -> orbax conversions on disk (None: GGUF only)
     buckets: Buckets = Buckets()
     kernels: Kernels = Kernels()
+    limits: Limits = Limits()
 
     def __post_init__(self):
         def positive_int(name, value, allow_none=False):
@@ -95,9 +118,9 @@ class EngineConfig:
         """`base` (default: the defaults) with LLM(...)-style flat keywords applied (`decode_buckets=`, `attention=`,
         ...: a group's fields by their keyword). An unknown keyword is a TypeError naming the nearest known one."""
         base = base or cls()
-        top = {f.name for f in dataclasses.fields(cls)} - {"buckets", "kernels"}
+        top = {f.name for f in dataclasses.fields(cls)} - set(_GROUPS)
         flat: dict[str, Any] = {}
-        groups: dict[str, dict[str, Any]] = {"buckets": {}, "kernels": {}}
+        groups: dict[str, dict[str, Any]] = {g: {} for g in _GROUPS}
         for key, value in kwargs.items():
             if key in top:
                 flat[key] = value
@@ -107,13 +130,13 @@ class EngineConfig:
             else:
                 near = difflib.get_close_matches(key, [*top, *_GROUPED], n=1)
                 raise TypeError(f"unknown engine option {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-        return dataclasses.replace(base, **flat, buckets=dataclasses.replace(base.buckets, **groups["buckets"]),
-                                   kernels=dataclasses.replace(base.kernels, **groups["kernels"]))
+        return dataclasses.replace(base, **flat, **{g: dataclasses.replace(getattr(base, g), **groups[g])
+                                                     for g in _GROUPS})
 
     @staticmethod
     def option_names() -> list[str]:
         """Every keyword `LLM(...)` maps onto this config (the README's option table lists them all)."""
-        return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("buckets", "kernels")] + list(_GROUPED)
+        return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _GROUPS] + list(_GROUPED)
 
     # ---- resolution ------------------------------------------------------------------------------------------------
     def resolve_kernels(self, backend: str) -> EngineConfig:

@@ -31,13 +31,27 @@ def is_store(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / MARKER).is_file()
 
 
-def save_store(dest: pathlib.Path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer | None) -> None:
-    """Write atomically: into a sibling temp dir, renamed into place once complete."""
-    dest = dest.resolve()
+def check_store_dest(dest: pathlib.Path) -> pathlib.Path:
+    """The resolved destination of a store, or ValueError if it cannot be one (checked before converting anything)."""
+    dest = pathlib.Path(dest).resolve()
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{dest} exists and is not a directory")
     if dest.exists() and any(dest.iterdir()):
         raise ValueError(f"{dest} exists and is not empty")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    parent = next((p for p in dest.parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {dest}: {parent} is not a writable directory")
+    return dest
+
+
+def save_store(dest: pathlib.Path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer | None) -> None:
+    """Write atomically: into a sibling temp dir, renamed into place once complete."""
+    dest = check_store_dest(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    except OSError as e:
+        raise ValueError(f"cannot write {dest}: {e.strerror or e}") from None
     try:
         ckpt = ocp.StandardCheckpointer()
         ckpt.save(tmp / "params", params)

@@ -1,0 +1,144 @@
+"""Soak: the gRPC server (engine in this process, the session's embedded LLM) under a random mix of well-behaved,
+cancelled, aborted, constrained and hostile requests arriving at random times (issue 24).
+
+At the end every KV page is free, nothing compiled after warm-up, every call ended with the status its kind allows
+(never INTERNAL/UNKNOWN), and the process's RSS grew at most 10% after the first third of the run (the first minute
+of the long variant). JPHOTON_SOAK_S sets the duration (default 75 s, CI); JPHOTON_SOAK_LONG=1 runs the long variant
+(10 minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import time
+
+import grpc
+import pytest
+
+from server import jphoton_pb2 as pb
+from server import jphoton_pb2_grpc as pb_grpc
+from server.app import serve
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,", "Dear diary, today"]
+OK = grpc.StatusCode.OK
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+CLIENTS = 12  # concurrent callers, each sending one request after another with random pauses
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _request(kind: str, rng: random.Random, i: int) -> pb.GenerateRequest:
+    text = rng.choice(PROMPTS)
+    sp = pb.SamplingParams(max_tokens=rng.randint(2, 16), temperature=rng.choice([0.0, 0.7, 1.0]), seed=i)
+    if kind == "regex":
+        sp.regex = rng.choice(["[a-z]{2,6}", "(yes|no)", "[0-9]+"])
+    elif kind == "json":
+        sp.json_schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    elif kind == "choice":
+        sp.choice.options.extend(["Paris", "London", "Berlin"])
+    elif kind == "logprobs":
+        sp.logprobs = 3
+    elif kind == "hostile":
+        h = rng.randrange(7)
+        if h == 0:
+            sp.stop.extend([f"s{k}" for k in range(5000)])  # over max_stop_strings
+        elif h == 1:
+            sp.regex = "a{1000000}"  # past llguidance's limits: refused at submission
+        elif h == 2:
+            text = "   "  # blank
+        elif h == 3:
+            sp.top_p = 1e-45
+        elif h == 4:
+            sp.json_schema = "{not json"
+        elif h == 5:
+            text = "word " * rng.randint(400_000, 1_000_000)  # 2-5 MB: tokenized off the loop, then too long
+        else:
+            return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**9]), sampling=sp)
+    return pb.GenerateRequest(text=text, sampling=sp, request_id=f"soak-{i}")
+
+
+async def _client(stub, rng: random.Random, deadline: float, counter, outcomes: collections.Counter) -> None:
+    kinds = ["plain"] * 6 + ["cancel", "abort", "regex", "json", "choice", "logprobs", "hostile", "hostile"]
+    while time.monotonic() < deadline:
+        await asyncio.sleep(rng.expovariate(1 / 0.15))
+        kind = rng.choice(kinds)
+        i = next(counter)
+        request = _request(kind, rng, i)
+        call = stub.Generate(request, timeout=120)
+        code, n = OK, 0
+        try:
+            async for m in call:
+                n += len(m.token_ids)
+                if kind == "cancel" and n >= 1:
+                    call.cancel()
+                    code = grpc.StatusCode.CANCELLED
+                    break
+                if kind == "abort" and n >= 1:
+                    await stub.Abort(pb.AbortRequest(request_id=request.request_id), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+        allowed = {"hostile": {BAD}, "cancel": {OK, grpc.StatusCode.CANCELLED}}.get(kind, {OK})
+        outcomes[(kind, code.name)] += 1
+        assert code in allowed, f"{kind} request {i}: {code} ({request.sampling})"
+
+
+def _soak(llm, seconds: float) -> None:
+    import itertools
+
+    compiles = llm.stats()["num_compiles"]
+    handle = serve(llm, port=0, max_queue=256, wait=True)
+    rss: dict[str, int] = {}
+    outcomes: collections.Counter = collections.Counter()
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+                stub = pb_grpc.EngineStub(ch)
+                start = time.monotonic()
+                counter = itertools.count()
+
+                async def sample_rss():
+                    await asyncio.sleep(seconds / 3 if seconds < 180 else 60)
+                    rss["early"] = _rss_bytes()
+
+                sampler = asyncio.create_task(sample_rss())
+                await asyncio.gather(*(_client(stub, random.Random(c), start + seconds, counter, outcomes)
+                                       for c in range(CLIENTS)))
+                await sampler
+                deadline = time.monotonic() + 60
+                while True:
+                    s = await stub.GetStats(pb.GetStatsRequest(), timeout=10)
+                    if s.kv_pages_free == s.kv_pages_total and s.running == s.waiting == s.queued == 0:
+                        return s
+                    assert time.monotonic() < deadline, f"pages/requests not released: {s}"
+                    await asyncio.sleep(0.05)
+
+        s = asyncio.run(run())
+        rss["end"] = _rss_bytes()
+    finally:
+        handle.stop(grace=5)
+    print(f"soak {seconds:.0f} s: {sum(outcomes.values())} calls {dict(outcomes)}; RSS {rss['early'] / 2**20:.0f} -> "
+          f"{rss['end'] / 2**20:.0f} MiB")
+    assert s.num_compiles == compiles, "compiled while serving"
+    assert sum(outcomes.values()) > 10 * CLIENTS  # the mix really ran
+    assert {k for k, _ in outcomes} >= {"plain", "cancel", "abort", "regex", "json", "choice", "hostile"}
+    assert rss["end"] <= 1.10 * rss["early"], f"RSS grew {rss['end'] / rss['early'] - 1:.0%} after the first third"
+
+
+def test_soak(embedded_llm):
+    _soak(embedded_llm, float(os.environ.get("JPHOTON_SOAK_S", "75")))
+
+
+@pytest.mark.skipif(os.environ.get("JPHOTON_SOAK_LONG") != "1", reason="the long soak: JPHOTON_SOAK_LONG=1")
+def test_soak_long(embedded_llm):
+    _soak(embedded_llm, 600.0)
