@@ -258,10 +258,20 @@ def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, i
             pass
         raise
     # Served and drained: leave now. A normal exit would first wait for the background warm-up thread to compile the
-    # shapes it has left (minutes on a GPU), and the server would kill us after its timeout.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # shapes it has left (minutes on a GPU), and the server would kill us after its timeout. The flush gets a second:
+    # stdout may be a pipe nobody reads any more (benchmarks/serving.py's server child: the flush blocked for good).
+    flusher = threading.Thread(target=_flush_std, daemon=True)
+    flusher.start()
+    flusher.join(1.0)
     os._exit(0)
+
+
+def _flush_std() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 class _EngineLoop:

@@ -37,10 +37,12 @@ def _record_shapes(llm) -> list[StepShape]:
 
 def test_default_shape_count_is_decode_buckets_plus_two_per_prefill_bucket():
     """The GPU defaults: 6 decode buckets (2..64) + prefill steps with no decode part or the full 64 rows, for 4
-    prefill buckets x 3 context buckets = 30 shapes (90 before issue 22: every decode bucket in every mixed step)."""
+    prefill buckets x 4 context buckets (8, 32, 128, 512 pages: issue 23 added 8, a 128-token chunk's own size) = 38
+    shapes (90 before issue 22: every decode bucket in every mixed step)."""
     cfg = EngineConfig().resolve_kernels("gpu").resolve_shapes(8192, min_decode_rows=2).scheduler_config()
+    assert cfg.context_buckets == (8, 32, 128, 512)
     shapes = cfg.all_shapes()
-    assert len(shapes) == len(set(shapes)) == 6 + 2 * 4 * 3
+    assert len(shapes) == len(set(shapes)) == 6 + 2 * 4 * 4
     assert {s.decode_rows for s in shapes if s.prefill_rows} == {0, 64}
     assert all(s.ctx_pages == 0 for s in shapes if not s.prefill_rows)  # Pallas decode: no context bucket
     static = SchedulerConfig(decode_buckets=(2, 8), prefill_buckets=((1, 32),), context_buckets=(4, 16))
@@ -58,8 +60,9 @@ def test_first_shapes_serve_a_first_request_and_the_rest_come_in_a_useful_order(
     assert first == [StepShape(0, 1, 128, 32), StepShape(2, 0, 0, 0)]
     rest = background_order(shapes, first, Sched)
     assert sorted(rest + first, key=str) == sorted(shapes, key=str)
-    assert rest[:2] == [StepShape(0, 1, 128, 128), StepShape(0, 1, 128, 512)]  # longer prompts next
-    assert [s.decode_rows for s in rest[2:7]] == [4, 8, 16, 32, 64]  # then more requests at once
+    # the smaller context (a short first chunk, issue 23), then longer prompts
+    assert rest[:3] == [StepShape(0, 1, 128, 8), StepShape(0, 1, 128, 128), StepShape(0, 1, 128, 512)]
+    assert [s.decode_rows for s in rest[3:8]] == [4, 8, 16, 32, 64]  # then more requests at once
 
 
 @pytest.mark.parametrize("attention", ["dynamic", "static"])

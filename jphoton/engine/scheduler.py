@@ -42,6 +42,7 @@ class SchedulerConfig:
     # Decode rows attend through the Pallas kernel (pallas_kernels/paged_decode_attention.py), whose loop follows each
     # row's own length: only prefill rows need a context bucket, and a decode-only step has none.
     pallas_decode: bool = False
+    page_size: int = 16  # tokens per KV page (context buckets count pages)
 
     def __post_init__(self):
         if not self.decode_buckets or sorted(self.decode_buckets) != list(self.decode_buckets):

@@ -31,6 +31,7 @@ log = logging.getLogger("jphoton.engine")
 
 MODES = WARMUP
 FIRST_PREFILL_TOKENS = 128  # the first tier's prefill bucket: the largest one-row bucket up to this many tokens
+FIRST_CONTEXT_TOKENS = 512  # ... over the smallest context bucket of at least this many tokens
 
 
 def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShape]:
@@ -41,7 +42,11 @@ def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShap
     decode_ctx = cfg.context_buckets[-1] if cfg.context_buckets and not cfg.pallas_decode else 0
     decode = min((s for s in shapes if not s.prefill_rows and s.ctx_pages == decode_ctx), key=lambda s: s.decode_rows)
     prefill_only = [s for s in shapes if s.prefill_rows and not s.decode_rows]
-    ctx, rows = min(s.ctx_pages for s in prefill_only), min(s.prefill_rows for s in prefill_only)
+    # The smallest context bucket that holds FIRST_CONTEXT_TOKENS: a first prompt of up to that many tokens runs (in
+    # chunks) without waiting for another compile; smaller buckets come first in the background.
+    ctxs = sorted({s.ctx_pages for s in prefill_only})
+    ctx = next((c for c in ctxs if c * cfg.page_size >= FIRST_CONTEXT_TOKENS), ctxs[-1])
+    rows = min(s.prefill_rows for s in prefill_only)
     small = sorted((s for s in prefill_only if (s.ctx_pages, s.prefill_rows) == (ctx, rows)),
                    key=lambda s: s.prefill_tokens)
     prefill = max((s for s in small if s.prefill_tokens <= FIRST_PREFILL_TOKENS), default=small[0],
