@@ -351,6 +351,59 @@ def test_the_served_llm_takes_generate_from_another_thread(srv):
     srv.wait_idle()
 
 
+@pytest.mark.parametrize("megabytes", [15, 2])
+def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, megabytes):
+    """Issue 24 item 1 for `serve(llm)` (engine thread, event loop and preparation share one process and its GIL): a
+    15 MB prompt that the limits admit is refused without tokenizing (it cannot fit the context); a 2 MB one is
+    tokenized in the helper process, then refused for its length. Meanwhile another stream's largest gap stays within
+    3x its undisturbed one and health checks answer within 250 ms."""
+    from jphoton.engine.config import Limits
+
+    llm = srv.llm
+    saved = llm.engine_config
+    llm.engine_config = dataclasses.replace(saved, limits=Limits(max_prompt_bytes=32 * 2**20))  # admit 15 MB
+    big = ("All work and no play makes Jack a dull boy. " * (megabytes * 2**20 // 44 + 1))[:megabytes * 2**20]
+    try:
+        def gaps(during=None):
+            times, result, thread = [], [], None
+            request = pb.GenerateRequest(text=PROMPTS[2], sampling=pb.SamplingParams(max_tokens=40, temperature=0,
+                                                                                     ignore_eos=True))
+            for _ in srv.stub.Generate(request, timeout=120):
+                times.append(time.perf_counter())
+                if during is not None and thread is None:
+                    thread = threading.Thread(target=lambda: result.append(during()))
+                    thread.start()
+            if thread is not None:
+                thread.join()
+            return max(b - a for a, b in zip(times[1:], times[2:], strict=False)), result
+
+        def hostile():
+            checks, done = [], threading.Event()
+
+            def poll():
+                while not done.is_set():
+                    t0 = time.perf_counter()
+                    srv.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+                    checks.append(time.perf_counter() - t0)
+                    time.sleep(0.02)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            code = _code(lambda: list(srv.stub.Generate(pb.GenerateRequest(text=big), timeout=120)))
+            done.set()
+            poller.join()
+            return code, max(checks)
+
+        quiet, _ = gaps()
+        busy, [(code, slowest_health)] = gaps(hostile)
+    finally:
+        llm.engine_config = saved
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert slowest_health < 0.25, f"a health check took {slowest_health * 1e3:.0f} ms"
+    assert busy <= 3 * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
+    srv.wait_idle()
+
+
 OLD_CLIENT = r"""
 import sys
 from server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
