@@ -3,8 +3,8 @@ cancelled, aborted, constrained and hostile requests arriving at random times (i
 
 At the end every KV page is free, nothing compiled after warm-up, every call ended with the status its kind allows
 (never INTERNAL/UNKNOWN), and the process's RSS grew at most 10% after the first third of the run (the first minute
-of the long variant). JPHOTON_SOAK_S sets the duration (default 75 s, CI); JPHOTON_SOAK_LONG=1 runs the long variant
-(10 minutes).
+of the long variant). JPHOTON_SOAK_S sets the duration (default 75 s, CI); `JPHOTON_SOAK_LONG=1 pytest -m soak_long
+tests/test_soak.py` runs the long variant (10 minutes).
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def test_soak(embedded_llm):
     _soak(embedded_llm, float(os.environ.get("JPHOTON_SOAK_S", "75")))
 
 
+@pytest.mark.soak_long
 @pytest.mark.skipif(os.environ.get("JPHOTON_SOAK_LONG") != "1", reason="the long soak: JPHOTON_SOAK_LONG=1")
 def test_soak_long(embedded_llm):
     _soak(embedded_llm, 600.0)
