@@ -99,13 +99,14 @@ class GrammarCompiler:
         past the parser's row limit) fails here, at submission, instead of mid-generation. The error, or ""."""
         probe = matcher.deep_copy()
         eos = set(self._eos)
-        for _ in range(PROBE_STEPS):
+        for step in range(PROBE_STEPS):
             bits = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little")
             if probe.is_error():
                 return _error_of(probe)
             allowed = [t for t in np.flatnonzero(bits[:self.vocab_size]).tolist()[:len(eos) + 1] if t not in eos]
-            if not allowed:
-                return ""  # only EOS (or nothing) may follow: the walk is over
+            if not allowed:  # only EOS (or nothing) may follow: the walk is over
+                # ... at the start: an empty grammar (`start: ""`), refused as an empty prompt is
+                return "it matches only the empty output" if step == 0 else ""
             if not probe.consume_token(allowed[0]):
                 return _error_of(probe)
         return ""

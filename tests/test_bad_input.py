@@ -286,10 +286,16 @@ def test_a_choice_past_the_parser_row_limit_is_refused_by_the_probe(embedded_llm
 
 
 def test_an_empty_grammar_is_refused(embedded_llm):
-    """Issue 24 item 12: an empty grammar was accepted."""
+    """Issue 24 item 12: an empty grammar (one that matches only the empty output) was accepted."""
     for grammar in ("", "   \n"):
         with pytest.raises(ValueError, match="grammar"):
             embedded_llm.generate("hi", SamplingParams(grammar=grammar))
+    for params in (SamplingParams(grammar="start:"), SamplingParams(grammar='start: ""'),
+                   SamplingParams(grammar='root ::= ""'), SamplingParams(regex="()")):
+        with pytest.raises(ValueError, match="matches only the empty output"):
+            embedded_llm.generate("hi", params)
+    out = embedded_llm.generate("hi", SamplingParams(regex="a?", max_tokens=4, temperature=0))[0]  # may be empty: fine
+    assert out.finish_reason in ("stop", "length")
 
 
 def test_cli_convert_and_undecodable_prompt_are_one_line_errors(capsys, tmp_path):
