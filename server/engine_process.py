@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -68,7 +69,10 @@ class EngineProcess:
         self._proc = ctx.Process(target=_child_main, args=(spawn.build, self._down_recv, self._up_send, levels),
                                  name="jphoton-engine", daemon=True)
         self._start_lock = threading.Lock()
-        self._send_lock = threading.Lock()  # submit/abort on the loop, stats() from a metrics scrape thread
+        # Commands go through a writer thread: a 15 MB prompt is a 15 MB pipe write, which would hold the event loop
+        # (and every health check) until the child had read it all.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="jphoton-engine-writer", daemon=True)
         self._ids = itertools.count()
         self._sinks: dict[int, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
@@ -87,6 +91,7 @@ class EngineProcess:
             if self._closing:
                 raise EngineDied("the server stopped before the engine process started")
             self._proc.start()
+            self._writer.start()
         self._down_recv.close()
         self._up_send.close()
         if not self._up.poll(self.spawn.start_timeout):
@@ -171,12 +176,20 @@ class EngineProcess:
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def _send(self, command: tuple) -> None:
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with self._send_lock:
-                self._down.send_bytes(data)
-        except (OSError, ValueError) as e:  # the child is gone
-            raise EngineDied(f"the engine process is gone: {e}") from None
+        """Queue a command for the child (in order; the writer thread pickles and writes it)."""
+        if self._error is not None:
+            raise EngineDied(f"the engine process is gone: {self._error}")
+        self._outbox.put(command)
+
+    def _write(self) -> None:
+        while True:
+            command = self._outbox.get()
+            try:
+                self._down.send_bytes(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+            except (OSError, ValueError):  # the child is gone: the reader sees EOF and fails what is open
+                return
+            if command[0] == "shutdown":
+                return
 
     def _read(self) -> None:
         loop = self._loop

@@ -291,7 +291,7 @@ def decode_generate_request(data: bytes):
     for field, value in _wire_fields(data):
         if field in _INPUT_NUMBERS:
             inputs.add(_INPUT_NUMBERS[field])
-        elif field == _SAMPLING_NUMBER and isinstance(value, bytes):
+        elif field == _SAMPLING_NUMBER and value is not None:
             constraints |= {_CONSTRAINT_NUMBERS[f] for f, _ in _wire_fields(value) if f in _CONSTRAINT_NUMBERS}
     if len(inputs) > 1:
         return BadRequest(f"set one input, text or token_ids, not both (got {sorted(inputs)})")
@@ -303,6 +303,7 @@ def decode_generate_request(data: bytes):
 def _wire_fields(data: bytes):
     """(field number, bytes for length-delimited fields else None) of each top-level field in protobuf wire format.
     Only called on bytes the protobuf parser has accepted."""
+    data = memoryview(data)  # field values are views, not copies (a text field may be megabytes)
     i, n = 0, len(data)
 
     def varint():
