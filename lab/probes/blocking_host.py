@@ -47,7 +47,7 @@ def main() -> None:
         recs = [r for r in telemetry.records if r.kind == "decode" and r.rows == b]
         recs = sorted(recs, key=lambda r: r.t_launch)
 
-        def med(a, z):
+        def med(a, z, recs=recs):
             vals = [getattr(r, z) - getattr(r, a) for r in recs if getattr(r, z) and getattr(r, a)]
             return 1e3 * statistics.median(vals) if vals else None
 
