@@ -25,7 +25,7 @@ from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
-from jphoton.params import Completion, SamplingParams, short
+from jphoton.params import Completion, SamplingParams, short, text_size_error
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.store import cache_dir
@@ -322,13 +322,16 @@ class LLM:
     def _check_prompt_size(self, num_bytes: int, rendered: bool = False) -> None:
         """Refuse text that is over the byte limit, or that cannot fit the context whatever it tokenizes to, before
         any tokenizing (a 15 MB prompt would hold a thread for ~20 s to learn it has 4 million tokens)."""
-        limit = self.engine_config.limits.max_prompt_bytes
-        if num_bytes > limit and not rendered:
-            raise ValueError(f"prompt is {num_bytes} bytes; this engine accepts at most {limit} (max_prompt_bytes)")
-        least = -(-num_bytes // self._max_bytes_per_token())
-        if least >= self.max_model_len:
-            raise ValueError(f"prompt has at least {least} tokens ({num_bytes} bytes of text); the context holds "
-                             f"{self.max_model_len}")
+        error = text_size_error(num_bytes, **self.text_limits(), rendered=rendered)
+        if error:
+            raise ValueError(error)
+
+    def text_limits(self) -> dict:
+        """What `text_size_error` (jphoton/params.py) needs to refuse an oversized text prompt without this LLM (the
+        gRPC server checks before it forwards a prompt to the engine process)."""
+        return {"max_prompt_bytes": self.engine_config.limits.max_prompt_bytes,
+                "bytes_per_token": self._max_bytes_per_token() if self.tokenizer is not None else 2**62,
+                "max_model_len": self.max_model_len}
 
     def _max_bytes_per_token(self) -> int:
         """Most UTF-8 bytes of input text one token can stand for: the longest vocabulary entry (byte-level and

@@ -102,6 +102,7 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._preparer = Preparer(on_done=self._wake.set)
         tokenize_long_prompts_apart(llm)
+        self._text_limits = llm.text_limits()
         self._thread = threading.Thread(target=self._run, name="jphoton-engine", daemon=True)
         self._thread.start()
 
@@ -159,6 +160,11 @@ class AsyncLLM:
     @property
     def info(self) -> dict:
         return model_info(self.llm)
+
+    @property
+    def text_limits(self) -> dict:
+        """LLM.text_limits(): the server refuses oversized text before it is prepared."""
+        return self._text_limits
 
     def shutdown(self) -> None:
         self._stop = True

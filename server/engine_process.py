@@ -80,6 +80,7 @@ class EngineProcess:
         self._error: str | None = None
         self._closing = False
         self.info: dict = {}
+        self.text_limits: dict = {}  # LLM.text_limits() of the child's LLM: oversized text is refused here
         self.last_stats: dict = {}
         self.on_death: Callable[[str], None] | None = None  # called on the attached loop if the engine process dies
 
@@ -105,7 +106,7 @@ class EngineProcess:
         if kind == "failed":
             self._proc.join(30)
             raise payload
-        self.info, self.last_stats = payload
+        self.info, self.last_stats, self.text_limits = payload
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -260,7 +261,7 @@ def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, i
             e = RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         events.send_bytes(pickle.dumps(("failed", e)))
         return
-    events.send_bytes(pickle.dumps(("ready", (model_info(llm), llm.stats()))))
+    events.send_bytes(pickle.dumps(("ready", (model_info(llm), llm.stats(), llm.text_limits()))))
     try:
         _EngineLoop(llm, commands, events).run()
     except BaseException as e:  # a bug, not bad input: the server fails every open stream with INTERNAL

@@ -25,7 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from jphoton.async_llm import AsyncLLM
-from jphoton.params import SamplingParams
+from jphoton.params import SamplingParams, text_size_error
 from server import jphoton_pb2 as pb
 from server.engine_process import EngineProcess, Rejected
 from server.metrics import Metrics
@@ -220,11 +220,18 @@ class EngineServicer:
             if request.chat:
                 raise ValueError("chat=true applies the chat template to text; it cannot be used with token_ids")
             return {"prompt_token_ids": list(request.token_ids.ids)}
-        if not request.text:
+        text = request.text
+        if not text:
             raise ValueError("empty prompt: text is empty")
+        # Refused here, before a megabytes-long prompt is pickled to the engine (len() counts characters, never more
+        # than the UTF-8 bytes: a sound lower bound). The engine checks again, exactly.
+        limits = getattr(self.engine, "text_limits", None)
+        error = limits and text_size_error(len(text), **limits)
+        if error:
+            raise ValueError(error)
         if request.chat:
-            return self.engine.chat_prompt([{"role": "user", "content": request.text}])
-        return request.text
+            return self.engine.chat_prompt([{"role": "user", "content": text}])
+        return text
 
     def _new_id(self) -> str:
         """Unguessable, so that no client can Abort another's request by counting."""
@@ -270,6 +277,7 @@ def sampling_params(msg) -> SamplingParams:
 _CONSTRAINT_NUMBERS = {f.number: f.name for f in pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields}
 _SAMPLING_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
 _INPUT_NUMBERS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields}
+_TEXT_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
 
 
 def lenient(message_cls):
@@ -282,7 +290,17 @@ def lenient(message_cls):
     return decode
 
 
-def decode_generate_request(data: bytes):
+def decode_generate_request(data: bytes, text_limits: dict | None = None):
+    """The request, or BadRequest. With the engine's `text_limits` (LLM.text_limits), a text too long to be served is
+    refused from its size on the wire, before the message is parsed (a 15 MB prompt is never copied into a str)."""
+    if text_limits:
+        try:
+            sizes = [len(value) for field, value in _wire_fields(data) if field == _TEXT_NUMBER and value is not None]
+        except (IndexError, ValueError):  # malformed: the parser below says how
+            sizes = []
+        error = sizes and text_size_error(sizes[-1], **text_limits)
+        if error:
+            return BadRequest(error)
     try:
         request = pb.GenerateRequest.FromString(data)
     except DecodeError as e:
@@ -342,7 +360,8 @@ def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:
     add_EngineServicer_to_server, whose deserializers raise and so answer INTERNAL)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=decode_generate_request,
+            servicer.Generate,
+            request_deserializer=lambda data: decode_generate_request(data, getattr(servicer.engine, "text_limits", None)),
             response_serializer=pb.GenerateResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort, request_deserializer=lenient(pb.AbortRequest),
