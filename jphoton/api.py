@@ -364,6 +364,8 @@ class LLM:
             raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt (no tokens)")
+        if len(ids) >= self.max_model_len:  # before the scan below: a 2 MB prompt is half a million ids
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")

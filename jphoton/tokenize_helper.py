@@ -7,6 +7,7 @@ then any number of UTF-8 texts, each answered with its token ids as int32. EOF o
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 
@@ -30,6 +31,10 @@ def main() -> None:
     import numpy as np
     import tokenizers
 
+    try:  # a megabytes-long prompt must not take CPU time from the engine's steps or the server's event loop
+        os.nice(10)
+    except OSError:
+        pass
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     spec = read_message(inp)
     if spec is None:

@@ -400,7 +400,8 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
         llm.engine_config = saved
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert slowest_health < 0.25, f"a health check took {slowest_health * 1e3:.0f} ms"
-    assert busy <= 3 * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
+    bound = 3 if megabytes == 15 else 4  # 2 MB: the helper process takes one of the 2 CI cores (test_engine_process)
+    assert busy <= bound * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
     srv.wait_idle()
 
 
