@@ -15,7 +15,7 @@ import numpy as np
 
 from jphoton.config import ModelConfig
 from jphoton.models import llama
-from jphoton.sampling import sample, seed_key_data
+from jphoton.sampling import sample_reference, seed_key_data
 from jphoton.sequence import Delta, Sequence
 
 
@@ -28,7 +28,7 @@ def _step(cfg: ModelConfig, params, tokens, positions, last, kv, temperature, to
     hidden, kv = llama.forward(params, cfg, tokens, positions, kv, llama.dense_attention(cfg, positions))
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = llama.lm_head(params, hidden)
-    return sample(logits, temperature, top_k, top_p, key_data, index), kv
+    return sample_reference(logits, temperature, top_k, top_p, key_data, index), kv
 
 
 class ReferenceDecoder:

@@ -6,9 +6,16 @@ same seed gives the same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.common import log_once
+from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla
+
+log = logging.getLogger("jphoton.sampling")
 
 
 def seed_key_data(seed) -> np.ndarray:
@@ -88,8 +95,31 @@ def _argmax_or_greedy(logits: jax.Array, noisy: jax.Array, temperature: jax.Arra
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key_data: jax.Array,
            index: jax.Array) -> jax.Array:
-    """`sample_plain` after top-k (0 = off) / top-p (1 = off) filtering. With both off it draws exactly what
-    sample_plain draws (same noise, no-op filter), so a request's tokens never depend on which path ran."""
+    """`sample_plain` after top-k (0 = off) / top-p (1 = off) filtering, without sorting the vocabulary: the Gumbel-max
+    draw over the kept set by a threshold search with early exit (pallas_kernels/filtered_sample.py; the Pallas kernel
+    on a GPU, the same algorithm as XLA loops elsewhere). The kept set is the sort-based `sample_reference`'s, so the
+    same seed draws the same token (up to float summation order at the nucleus edge). A row with both filters off draws
+    exactly what sample_plain draws (same noise), so a request's tokens never depend on which path ran; greedy rows
+    (temperature 0) are argmax whatever their filters."""
+    sampled = temperature > 0
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    noisy = scaled + _gumbel(logits, key_data, index)
+    top_k = jnp.where(sampled, top_k, 0)
+    top_p = jnp.where(sampled, top_p, 1.0)
+    if jax.default_backend() in ("gpu", "cuda", "rocm"):
+        tokens = filtered_sample(scaled, noisy, top_k, top_p)
+    else:
+        log_once(log, ("filtered_sample_xla", logits.shape), "filtered sampling [%d, %d]: XLA loops (%s backend)",
+                 *logits.shape, jax.default_backend())
+        tokens = filtered_sample_xla(scaled, noisy, top_k, top_p)
+    return jnp.where(sampled, tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def sample_reference(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                     key_data: jax.Array, index: jax.Array) -> jax.Array:
+    """The definition `sample` implements: sort each row, cut it at top-k and at the top-p nucleus, Gumbel-max over
+    what is left (a full-vocabulary sort per row: 0.99 ms for 32 rows of 128256 on the H100). The reference decoder
+    and the tests use it."""
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     return _argmax_or_greedy(logits, scaled + _gumbel(logits, key_data, index), temperature)

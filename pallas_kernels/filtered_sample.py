@@ -1,0 +1,275 @@
+"""Top-k / top-p sampling without sorting the vocabulary: a threshold search with early exit, as one Pallas (Triton)
+kernel on the GPU and as a row-vectorised `lax.while_loop` elsewhere. Both run the same per-row logic (`_select_row`).
+
+Sampling is Gumbel-max: the token is the argmax of `noisy = scaled + gumbel` over the kept set S. S is an upper set of
+`scaled` (the top-k, then the smallest nucleus of mass >= top_p), so it is {scaled >= tau} for one threshold tau, and:
+
+- top-k: tau_k is the k-th largest value, found by bisection over the values' int32 order keys with a count per sweep
+  (several probes a sweep; it stops early when a probe counts exactly k);
+- top-p, by rejection: take the candidate c = argmax of `noisy` over the current upper set; c is in S iff the mass
+  strictly above scaled[c] is < top_p * Z_k (Z_k: the mass of the top-k set), one sweep. A rejected c moves the lower
+  bound above scaled[c] (S lies above it), and the next candidate is the argmax over what is left: the sample of the
+  restricted distribution, so each candidate is accepted with probability >= top_p (one or two sweeps at top_p = 0.9).
+  Every sweep also halves a bisection bracket on tau, so no row takes more than 32 sweeps whatever its distribution.
+
+Exactly the kept set of the sort-based reference (jphoton/sampling.py `_filter_top_k_top_p`) up to float summation
+order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
+the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
+token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
+(lab/probes/topp_cost.py); XLA passes of a fixed-count search, 0.24-0.31 ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import log_once, use_interpret
+
+log = logging.getLogger("jphoton.kernels")
+
+KEY_NEG_INF = -2139095041  # float_keys(-inf)
+PROBES = 8  # top-k bisection probes a sweep (a power of two for Triton): the bracket shrinks 9x a sweep
+
+
+def float_keys(x: jax.Array) -> jax.Array:
+    """float32 -> int32 in the same order (-inf lowest; no NaN)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def key_value(k: jax.Array) -> jax.Array:
+    """The float32 that an order key stands for (float_keys's inverse)."""
+    return jax.lax.bitcast_convert_type(k ^ ((k >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _split(lo, hi, j, n: int):
+    """Probes j / (n + 1) of the way through (lo, hi] (int32; j: uint32 in 1..n): lo + ceil(j * (hi - lo) / (n + 1)),
+    in a form that stays inside 32 bits (the span can reach 2^32 - 1)."""
+    span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # hi >= lo: the difference fits an unsigned word
+    step = span // jnp.uint32(n + 1)
+    rem = span - step * jnp.uint32(n + 1)
+    off = step * j + (rem * j + jnp.uint32(n)) // jnp.uint32(n + 1)
+    return lo + jax.lax.bitcast_convert_type(off, jnp.int32)
+
+
+def _mid(lo, hi):
+    """ceil((lo + hi) / 2) in int32 without overflow."""
+    return (lo & hi) + ((lo ^ hi) >> 1) + ((lo ^ hi) & 1)
+
+
+def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low, start):
+    """One row's sample index. m, m_low: the row's largest and smallest finite scaled value; start: the top-p
+    search's state after the rejection steps done for the whole batch (`prephase`), used when the row has no top-k.
+    The sweeps read the row (see the callers): sweep_count(t [PROBES]) -> counts of keys >= t;
+    sweep_mass(ta, tb) -> (mass of keys >= ta, mass of keys >= tb, argmax noisy over keys >= ta, same over >= tb),
+    mass = sum exp(scaled - m); key_at(i) -> the order key of scaled[i]."""
+    key_m = float_keys(m)
+    use_k = (top_k > 0) & (top_k < V)
+
+    def k_body(st):
+        # Two probes evenly spaced in order keys (the bracket shrinks 3x a sweep whatever the values: no row takes
+        # more than ~20 sweeps), six in value around where the k-th value should be if log(count) fell linearly across
+        # the bracket, as a logit tail roughly does: 3-5 sweeps for k <= 1000 on normal, Gumbel, log-normal and
+        # peaked rows of 128256 (lab/probes/topp_cost.py), where key probes alone took 8-12.
+        lo, hi, c_lo, c_up = st  # count(keys >= lo) = c_lo >= k > c_up = count(keys > hi)
+        probe = jnp.arange(PROBES, dtype=jnp.int32)
+        v_lo = jnp.maximum(key_value(lo), m_low)
+        v_hi = key_value(hi)
+        log_c_lo = jnp.log(c_lo.astype(jnp.float32))
+        est = (log_c_lo - jnp.log(top_k - 0.5)) / (log_c_lo - jnp.log(c_up + 0.5))
+        spread = jnp.where(probe < 5, -1.0, 1.0) * jnp.where((probe == 2) | (probe == 7), 0.2,
+                                                              jnp.where((probe == 3) | (probe == 6), 0.05, 0.01))
+        by_value = float_keys(v_lo + (v_hi - v_lo) * jnp.clip(est + spread, 0.0, 1.0))
+        t = jnp.where(probe < 2, _split(lo, hi, (probe + 1).astype(jnp.uint32), 2), jnp.clip(by_value, lo + 1, hi))
+        c = sweep_count(t)
+        ge = c >= top_k
+        exact = jnp.max((c == top_k).astype(jnp.int32)) > 0
+        best = jnp.max(jnp.where(ge, t, lo))
+        c_best = jnp.min(jnp.where(ge, c, c_lo))
+        hi2 = jnp.min(jnp.where(ge, hi, t - 1))
+        c_up2 = jnp.max(jnp.where(ge, c_up, c))
+        return best, jnp.where(exact, best, jnp.maximum(hi2, best)), c_best, c_up2
+
+    lo0 = jnp.int32(KEY_NEG_INF)  # every entry counts, masked (-inf) ones included
+    kth = jax.lax.while_loop(lambda st: st[0] < st[1], k_body,
+                             (lo0, jnp.where(use_k, key_m, lo0), jnp.int32(V), jnp.int32(0)))[0]
+
+    def top_k_start():
+        zk, _, i0, _ = sweep_mass(kth, kth)
+        return kth, key_m, i0, (top_p >= 1.0) | (kth >= key_m), top_p * zk
+
+    def p_body(st):
+        lo, hi, ic, _, target = st
+        kc1 = key_at(ic) + 1
+        t = _mid(lo, hi)
+        a, b, ia, ib = sweep_mass(kc1, t)
+        accept = a < target
+        b_ok = b >= target
+        lo2 = jnp.where(b_ok, jnp.maximum(kc1, t), kc1)
+        hi2 = jnp.where(b_ok, hi, t - 1)
+        nxt = jnp.where(b_ok & (t > kc1), ib, ia)
+        return lo2, hi2, jnp.where(accept, ic, nxt), accept | (lo2 >= hi2), target
+
+    state = jax.lax.cond(use_k, top_k_start, lambda: start)
+    return jax.lax.while_loop(lambda st: ~st[3], p_body, state)[2]
+
+
+def prephase(scaled: jax.Array, noisy: jax.Array, top_p: jax.Array):
+    """The first steps of every row's search over the whole batch at once, as XLA reductions that use the whole GPU
+    (one program per row would leave most of it idle): the row's max and min, and the top-p rejection test of the
+    first two candidates (the unfiltered sample, then the sample above it). At top_p = 0.9 a row is left for the
+    kernel's sweeps with probability <= 1%. -> (m, m_low, start) for `_select_row`, each [R] (start a tuple)."""
+    keys = float_keys(scaled)
+    m = jnp.max(scaled, axis=1)
+    m_low = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=1)
+    e = jnp.exp(scaled - m[:, None])
+    z = jnp.sum(e, axis=1)
+    target = top_p * z
+
+    def above(c):  # mass strictly above candidate c, and the next candidate (the argmax of noisy above c)
+        kc = jnp.take_along_axis(keys, c[:, None], axis=1)
+        over = keys > kc
+        return (jnp.sum(jnp.where(over, e, 0.0), axis=1),
+                jnp.argmax(jnp.where(over, noisy, -jnp.inf), axis=1).astype(jnp.int32), kc[:, 0])
+
+    c1 = jnp.argmax(noisy, axis=1).astype(jnp.int32)
+    a1, c2, _ = above(c1)
+    a2, c3, k2 = above(c2)
+    ok1, ok2 = a1 < target, a2 < target
+    lo = jnp.where(ok1 | ok2, KEY_NEG_INF, k2 + 1)
+    hi = float_keys(m)
+    done = ok1 | ok2 | (top_p >= 1.0) | (lo >= hi)
+    cand = jnp.where(ok1 | (top_p >= 1.0), c1, jnp.where(ok2, c2, c3))
+    return m, m_low, (lo, hi, cand, done, target)
+
+
+# ------------------------------------------------------------------------------------------------ plain JAX (CPU)
+
+def filtered_sample_xla(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The kernel's algorithm over whole rows (vmapped while loops): the path off the GPU, where loops are cheap.
+    scaled, noisy [R, V] float32 (noisy: scaled + Gumbel noise); top_k [R] int32 (0 = off); top_p [R] float32 (1 =
+    off). -> int32 [R]."""
+    V = scaled.shape[-1]
+
+    def row(s, y, k, p, m, m_low, start):
+        keys = float_keys(s)
+
+        def sweep_count(t):
+            return jnp.sum(keys[None, :] >= t[:, None], axis=1, dtype=jnp.int32)
+
+        def sweep_mass(ta, tb):
+            e = jnp.exp(s - m)
+            in_a, in_b = keys >= ta, keys >= tb
+            return (jnp.sum(jnp.where(in_a, e, 0.0)), jnp.sum(jnp.where(in_b, e, 0.0)),
+                    jnp.argmax(jnp.where(in_a, y, -jnp.inf)).astype(jnp.int32),
+                    jnp.argmax(jnp.where(in_b, y, -jnp.inf)).astype(jnp.int32))
+
+        return _select_row(sweep_count, sweep_mass, lambda i: keys[i], k, p, V, m, m_low, start)
+
+    return jax.vmap(row)(scaled, noisy, top_k, top_p, *prephase(scaled, noisy, top_p))
+
+
+# ------------------------------------------------------------------------------------------------ Pallas (GPU)
+
+def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, target_ref, s_ref, y_ref, out_ref, *,
+            V, block, count_block, interpret):
+    # Each sweep keeps its running sums and argmaxes lane by lane (vectors of `block`) and reduces across lanes once
+    # at its end: a reduction per block (shuffles and shared memory) made a sweep ~3x slower.
+    r = pl.program_id(0)
+    col = jnp.arange(block, dtype=jnp.int32)
+    ninf = jnp.full((block,), -jnp.inf, jnp.float32)
+    m = m_ref[r]
+
+    def load(ref, b, n=block, fill=-jnp.inf):
+        """Block b of n entries of this row, as (values, their indices); entries past V read `fill` (rows are not
+        padded: a padded copy of a [32, 128256] batch cost ~35 us of the sampler on the H100). On the GPU a masked
+        load at b * n (aligned: vector loads); interpret mode clamps an overrunning slice, so there the last block
+        ends at V and masks what overlaps the block before it."""
+        if interpret:
+            start = jnp.minimum(b * n, V - n)
+            idx = start + jnp.arange(n, dtype=jnp.int32)
+            return jnp.where(idx >= b * n, plgpu.load(ref.at[r, pl.ds(start, n)]), fill), idx
+        idx = b * n + jnp.arange(n, dtype=jnp.int32)
+        return plgpu.load(ref.at[r, pl.ds(b * n, n)], mask=idx < V, other=fill), idx
+
+    nb, nbc = -(-V // block), -(-V // count_block)
+
+    def first_argmax(best, idx):
+        """The lowest index holding the largest value (lanes hold their first best): the argmax's tie rule."""
+        return jnp.min(jnp.where(best == jnp.max(best), idx, V)).astype(jnp.int32)
+
+    def sweep_count(t):
+        # one accumulator vector per probe: a [count_block, PROBES] accumulator ran ~4x slower
+        probe = jnp.arange(PROBES, dtype=jnp.int32)
+        ts = [jnp.max(jnp.where(probe == j, t, KEY_NEG_INF)) for j in range(PROBES)]
+
+        def body(b, cs):
+            keys = float_keys(load(s_ref, b, count_block)[0])
+            return tuple(c + (keys >= tj).astype(jnp.int32) for c, tj in zip(cs, ts, strict=True))
+
+        zero = jnp.zeros((count_block,), jnp.int32)
+        cs = jax.lax.fori_loop(0, nbc, body, (zero,) * PROBES)
+        out = jnp.zeros((PROBES,), jnp.int32)
+        for j, c in enumerate(cs):
+            out = jnp.where(probe == j, jnp.sum(c), out)
+        return out
+
+    def sweep_mass(ta, tb):
+        def body(b, st):
+            za, zb, va, ia, vb, ib = st
+            (s, i), (y, _) = load(s_ref, b), load(y_ref, b)
+            keys = float_keys(s)
+            e = jnp.exp(s - m)
+            in_a, in_b = keys >= ta, keys >= tb
+            take_a, take_b = in_a & (y > va), in_b & (y > vb)
+            return (za + jnp.where(in_a, e, 0.0), zb + jnp.where(in_b, e, 0.0),
+                    jnp.where(take_a, y, va), jnp.where(take_a, i, ia), jnp.where(take_b, y, vb),
+                    jnp.where(take_b, i, ib))
+
+        zero = jnp.zeros((block,), jnp.float32)
+        za, zb, va, ia, vb, ib = jax.lax.fori_loop(0, nb, body, (zero, zero, ninf, col, ninf, col))
+        return jnp.sum(za), jnp.sum(zb), first_argmax(va, ia), first_argmax(vb, ib)
+
+    def key_at(i):
+        blk, idx = load(s_ref, i // block)
+        return float_keys(jnp.max(jnp.where(idx == i, blk, -jnp.inf)))
+
+    start = (lo_ref[r], hi_ref[r], cand_ref[r], done_ref[r] != 0, target_ref[r])
+    i = _select_row(sweep_count, sweep_mass, key_at, k_ref[r], p_ref[r], V, m, low_ref[r], start)
+    plgpu.store(out_ref.at[pl.ds(r, 1)], jnp.full((1,), i, jnp.int32))
+
+
+def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array, *, block: int = 4096,
+                    count_block: int = 1024, num_warps: int = 8, num_stages: int = 1,
+                    interpret: bool | None = None) -> jax.Array:
+    """As `filtered_sample_xla`: `prephase` over the batch, then one program per row for what is left (a row the
+    prephase settled only stores its answer)."""
+    if scaled.ndim != 2 or noisy.shape != scaled.shape:
+        raise ValueError(f"scaled and noisy must be the same [R, V]; got {scaled.shape}, {noisy.shape}")
+    R, V = scaled.shape
+    block = min(block, 1 << (V.bit_length() - 1))  # a power of two <= V (interpret mode's last block overlaps)
+    count_block = min(count_block, block)
+    interp = use_interpret(interpret)
+    log_once(log, ("filtered_sample", interp, R, V), "filtered_sample [%d, %d]: %s", R, V,
+             "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
+    top_p = top_p.astype(jnp.float32)
+    m, m_low, (lo, hi, cand, done, target) = prephase(scaled, noisy, top_p)
+    kernel = functools.partial(_kernel, V=V, block=block, count_block=count_block, interpret=interp)
+    with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        return pl.pallas_call(
+            kernel,
+            grid=(R,),
+            out_shape=jax.ShapeDtypeStruct((R,), jnp.int32),
+            interpret=interp,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name=f"filtered_sample_R{R}",
+        )(top_k.astype(jnp.int32), top_p, m, m_low, lo, hi, cand, done.astype(jnp.int32), target,
+          scaled.astype(jnp.float32), noisy.astype(jnp.float32))

@@ -1,0 +1,164 @@
+"""Top-k / top-p sampling without a sort (pallas_kernels/filtered_sample.py) against the sort-based definition
+(`jphoton.sampling.sample_reference`): the same tokens on fixed seeds, the Pallas kernel (interpret mode) equal to the
+XLA loops, edge rows, and no sort in the lowered sampler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphoton import SamplingParams
+from jphoton.reference import ReferenceDecoder
+from jphoton.sampling import _gumbel, sample, sample_reference, seed_key_data
+from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla, float_keys, key_value
+
+# (top_k, top_p) settings: each filter alone, both, a nucleus of one token, k >= V, k = 1, nothing
+SETTINGS = [(0, 0.9), (0, 0.5), (0, 0.1), (0, 0.999), (0, 1e-6), (50, 1.0), (1, 1.0), (3, 0.5), (200, 0.9),
+            (10_000, 0.8), (0, 1.0)]
+
+
+def _rows(kind: str, R: int, V: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(R, V))
+    if kind == "flat":  # a random model's logits: the nucleus holds most of the vocabulary
+        x *= 0.3
+    elif kind == "peaked":  # a trained model's: a few tokens hold most of the mass
+        x *= 2.0
+        x[:, rng.integers(0, V, 5)] += 12.0
+    elif kind == "masked":  # a grammar mask: most entries -inf
+        x[rng.random((R, V)) < 0.9] = -np.inf
+    elif kind == "ties":  # few distinct values: ties at every threshold
+        x = np.round(x * 2) / 2
+    return x.astype(np.float32)
+
+
+def _inputs(x, temperature=1.0, seed=0):
+    R = x.shape[0]
+    logits = jnp.asarray(x)
+    kd = jnp.asarray(np.stack([seed_key_data(seed + i) for i in range(R)]))
+    idx = jnp.arange(R, dtype=jnp.int32)
+    return logits, jnp.full(R, temperature, jnp.float32), kd, idx
+
+
+@pytest.mark.parametrize("kind", ["normal", "flat", "peaked", "masked"])
+def test_same_tokens_as_the_sort_based_definition(kind):
+    x = _rows(kind, 48, 3000, seed=len(kind))
+    logits, temp, kd, idx = _inputs(x, temperature=0.8)
+    R = x.shape[0]
+    fast, ref = jax.jit(sample), jax.jit(sample_reference)
+    for k, p in SETTINGS:
+        kk, pp = jnp.full(R, k, jnp.int32), jnp.full(R, p, jnp.float32)
+        got, want = np.asarray(fast(logits, temp, kk, pp, kd, idx)), np.asarray(ref(logits, temp, kk, pp, kd, idx))
+        assert (got == want).all(), (kind, k, p, np.flatnonzero(got != want))
+
+
+def test_ties_keep_every_tied_value_at_the_threshold():
+    """The reference keeps `scaled >= threshold` (all ties); with top-k alone the kept sets agree exactly."""
+    x = _rows("ties", 32, 2000, seed=3)
+    logits, temp, kd, idx = _inputs(x)
+    for k in (1, 7, 60, 333):
+        kk, pp = jnp.full(32, k, jnp.int32), jnp.ones(32, jnp.float32)
+        assert (np.asarray(sample(logits, temp, kk, pp, kd, idx))
+                == np.asarray(sample_reference(logits, temp, kk, pp, kd, idx))).all(), k
+
+
+def test_mixed_rows_greedy_and_filters_in_one_batch():
+    """Each row keeps its own settings: a greedy row is argmax whatever its filters; a row with none draws exactly
+    what the unfiltered sampler draws (the fused step sampler's token)."""
+    from jphoton.sampling import sample_plain
+
+    x = _rows("normal", 6, 3000, seed=9)
+    logits, _, kd, idx = _inputs(x)
+    temp = jnp.asarray([0.0, 1.0, 1.0, 0.7, 1.3, 0.0], jnp.float32)
+    kk = jnp.asarray([5, 0, 0, 40, 0, 0], jnp.int32)
+    pp = jnp.asarray([0.5, 1.0, 0.9, 1.0, 0.3, 1.0], jnp.float32)
+    got = np.asarray(sample(logits, temp, kk, pp, kd, idx))
+    assert (got == np.asarray(sample_reference(logits, temp, kk, pp, kd, idx))).all()
+    assert got[0] == got[5] == 0 or (got[0] == int(jnp.argmax(logits[0])) and got[5] == int(jnp.argmax(logits[5])))
+    assert got[1] == int(sample_plain(logits, temp, kd, idx)[1])
+
+
+@pytest.mark.parametrize("kind", ["normal", "peaked", "masked"])
+def test_pallas_kernel_equals_the_xla_loops(kind):
+    """Interpret mode, a vocabulary that is not a whole number of blocks (the last block overlaps)."""
+    x = _rows(kind, 8, 1000, seed=5)
+    scaled = jnp.asarray(x)
+    noisy = scaled + _gumbel(scaled, jnp.asarray(np.stack([seed_key_data(i) for i in range(8)])),
+                             jnp.zeros(8, jnp.int32))
+    for k, p in [(0, 0.9), (50, 1.0), (3, 0.5), (0, 0.1), (0, 1.0)]:
+        kk, pp = jnp.full(8, k, jnp.int32), jnp.full(8, p, jnp.float32)
+        want = np.asarray(filtered_sample_xla(scaled, noisy, kk, pp))
+        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, interpret=True))
+        assert (got == want).all(), (kind, k, p)
+
+
+def test_rows_with_nothing_allowed_or_one_token_allowed():
+    V = 500
+    x = np.full((3, V), -np.inf, np.float32)
+    x[1, 17] = 2.0
+    x[2, [3, 400]] = [1.0, 1.0]  # two tied tokens
+    logits, temp, kd, idx = _inputs(x)
+    for k, p in [(0, 0.9), (5, 1.0), (1, 0.5), (0, 1e-6)]:
+        got = np.asarray(sample(logits, temp, jnp.full(3, k, jnp.int32), jnp.full(3, p, jnp.float32), kd, idx))
+        assert 0 <= got[0] < V and got[1] == 17 and got[2] in (3, 400), (k, p, got)
+
+
+def test_distribution_of_a_flat_nucleus_matches_the_definition():
+    """Statistically: the nucleus of a flat row holds hundreds of tokens (the rejection path's common case, where
+    the first candidate is accepted or the next one is); draws over it follow the renormalised softmax."""
+    rng = np.random.default_rng(0)
+    V, n = 400, 20_000
+    row = (rng.normal(size=V) * 0.5).astype(np.float32)
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = order[: np.searchsorted(np.cumsum(p[order]), 0.6) + 1]
+    logits = jnp.broadcast_to(jnp.asarray(row), (n, V))
+    kd = jnp.broadcast_to(jnp.asarray(seed_key_data(11)), (n, 2))
+    out = np.asarray(jax.jit(sample)(logits, jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.full(n, 0.6), kd,
+                                     jnp.arange(n, dtype=jnp.int32)))
+    freq = np.bincount(out, minlength=V) / n
+    assert set(np.flatnonzero(freq)) <= set(keep.tolist())
+    q = np.zeros(V)
+    q[keep] = p[keep] / p[keep].sum()
+    assert np.abs(freq - q).sum() < 0.12  # total variation over ~170 tokens, 20000 draws
+
+
+def test_float_keys_order_and_inverse():
+    v = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    k = np.asarray(float_keys(v))
+    assert (np.diff(k) > 0).all()
+    assert (np.asarray(key_value(float_keys(v))) == np.asarray(v)).all()
+
+
+def test_lowered_sampler_has_no_sort():
+    """The filtered sampler of a whole bucket lowers without a sort over the vocabulary (the definition has one,
+    so the check can fail)."""
+    R, V = 32, 4096
+    args = (jnp.zeros((R, V)), jnp.ones(R), jnp.zeros(R, jnp.int32), jnp.full(R, 0.9), jnp.zeros((R, 2), jnp.uint32),
+            jnp.zeros(R, jnp.int32))
+    sort = "stablehlo.sort"
+    assert sort in jax.jit(sample_reference).lower(*args).as_text()
+    assert sort not in jax.jit(sample).lower(*args).as_text()
+    # and the GPU path (the Pallas kernel), lowered for CUDA here without a GPU
+    fn = jax.jit(lambda s, y, k, p: filtered_sample(s, y, k, p, interpret=False))
+    text = fn.trace(args[0], args[0], args[2], args[3]).lower(lowering_platforms=("cuda",)).as_text()
+    assert sort not in text and "filtered_sample" in text
+
+
+def test_engine_sampled_tokens_equal_the_reference_decoder(embedded_llm):
+    """Seeded top-p / top-k requests through the engine (the fast sampler) and through the dense reference decoder
+    (the sort-based definition): the same tokens."""
+    llm = embedded_llm
+    prompts = [[1, 20, 300, 4000], [7, 8, 9], [42] * 12, [5, 6]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.2, top_k=20, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.7, top_k=50, top_p=0.6, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, top_p=0.5, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    seqs = llm._make_sequences(prompts, params)
+    ReferenceDecoder(llm.config, llm.model.params).run(seqs)
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
+    assert len(set(outs[0].token_ids)) > 3  # really sampled
