@@ -122,8 +122,9 @@ def gc_watch(ticks: list):
 
 def timed_run(llm, prompts: list, params, guard: bool = True) -> RunStats:
     """Queue every prompt at once (token id lists or strings), step the engine to the end, and time each step() call
-    by the kind of engine step it launched (telemetry)."""
-    rids = [llm.add_request(_prompt(p), params) for p in prompts]
+    by the kind of engine step it launched (telemetry). params: one SamplingParams for all, or one per prompt."""
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    rids = [llm.add_request(_prompt(p), sp) for p, sp in zip(prompts, per, strict=True)]
     tokens = {r: [] for r in rids}
     c0 = llm.stats()["num_compiles"]
     llm.telemetry.clear()

@@ -246,8 +246,8 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
     plgpu.store(out_ref.at[pl.ds(r, 1)], jnp.full((1,), i, jnp.int32))
 
 
-def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array, *, block: int = 4096,
-                    count_block: int = 1024, num_warps: int = 8, num_stages: int = 1,
+def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array, *, block: int = 8192,
+                    count_block: int = 4096, num_warps: int = 16, num_stages: int = 1,
                     interpret: bool | None = None) -> jax.Array:
     """As `filtered_sample_xla`: `prephase` over the batch, then one program per row for what is left (a row the
     prephase settled only stores its answer)."""

@@ -38,6 +38,17 @@ def test_throughput(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["rows"]
 
 
+def test_sampling(tmp_path):
+    from benchmarks.sampling import main
+
+    rows = main(["--model", TINY, "--batch", "2", "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1",
+                 "--settings", "greedy", "top_p 0.9", "one top_p 0.9 row", "--out", str(tmp_path / "s.json")])
+    timed = [r for r in rows if "setting" in r]
+    assert [r["setting"] for r in timed] == ["greedy", "top_p 0.9", "one top_p 0.9 row"]
+    assert all(r["decode_ms"] > 0 for r in timed) and timed[0]["vs_greedy"] == 1.0
+    assert rows[-1]["compiles_during_runs"] == 0
+
+
 def test_pipeline(tmp_path):
     from benchmarks.pipeline import main
 
