@@ -162,3 +162,23 @@ def test_engine_sampled_tokens_equal_the_reference_decoder(embedded_llm):
     ReferenceDecoder(llm.config, llm.model.params).run(seqs)
     assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
     assert len(set(outs[0].token_ids)) > 3  # really sampled
+
+
+def test_decode_steps_sample_their_filters_in_the_step(embedded_llm, monkeypatch):
+    """A decode step with top-k / top-p rows runs its filtered variant (one launch, no second sampler); its tokens
+    equal those of the second sampler, which a step without a ready variant uses."""
+    llm, runner = embedded_llm, embedded_llm.engine.runner
+    assert runner.filtered_ready == set(runner.filtered_shapes())
+    calls = []
+    real = runner._resample_into
+    monkeypatch.setattr(runner, "_resample_into", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [{"prompt_token_ids": [3, 14, 15, 92]}, {"prompt_token_ids": [6, 5, 35]}]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.7, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_k=8, seed=6, ignore_eos=True)]
+    fused = [o.token_ids for o in llm.generate(prompts, params)]
+    fused_calls = len(calls)
+    calls.clear()
+    monkeypatch.setattr(runner, "filtered_ready", set())  # no variant ready: every step takes the second sampler
+    second = [o.token_ids for o in llm.generate(prompts, params)]
+    assert fused == second
+    assert len(calls) >= 15 and fused_calls <= 2  # only the prefill steps (first tokens) took the second sampler

@@ -83,9 +83,15 @@ class Runner:
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
         # device argument and an uncommitted host one compile twice.
         on_device = jax.sharding.SingleDeviceSharding(self.device)
-        self._step = jax.jit(functools.partial(engine_step, model.forward, model.logits, self.static),
-                             static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
-                             out_shardings=on_device)
+        step = functools.partial(engine_step, model.forward, model.logits, self.static)
+        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
+                                out_shardings=on_device)
+        self._step = jit(step)
+        # Decode steps whose rows ask for top-k / top-p sample inside the step with this variant (one launch, not
+        # two). None: compile on demand (no warm-up); else the shapes compiled so far (Warmup fills it), and a step
+        # whose variant is not ready yet samples through the second sampler instead.
+        self._step_filtered = jit(functools.partial(step, filtered=True))
+        self.filtered_ready: set[StepShape] | None = None
         self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=on_device, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
@@ -114,11 +120,17 @@ class Runner:
         return self._layouts[shape]
 
     # ---- compile ---------------------------------------------------------------------------------------------------
-    def compile_step(self, shape: StepShape) -> None:
+    def compile_step(self, shape: StepShape, filtered: bool = False) -> None:
         """Compile one step shape ahead of time (safe from another thread while the engine runs: it lowers from
         abstract arguments, never the live buffers that steps donate). The jitted step's own cache is filled, so the
-        engine's next call with this shape dispatches at once."""
-        self._step.lower(shape, *self._step_specs).compile()
+        engine's next call with this shape dispatches at once. filtered: its top-k / top-p variant."""
+        (self._step_filtered if filtered else self._step).lower(shape, *self._step_specs).compile()
+        if filtered and self.filtered_ready is not None:
+            self.filtered_ready.add(shape)
+
+    def filtered_shapes(self) -> list[StepShape]:
+        """The shapes that have a top-k / top-p variant: decode-only steps (one more program per decode bucket)."""
+        return [s for s in self.sched.all_shapes() if not s.prefill_rows]
 
     def compile_sampler(self, variant: SamplerVariant) -> None:
         """Compile one second sampler ahead of time (as `compile_step`)."""
@@ -138,6 +150,8 @@ class Runner:
             self.compile_step(shape)
         for variant in self.sampler_variants():
             self.compile_sampler(variant)
+        for shape in self.filtered_shapes():
+            self.compile_step(shape, filtered=True)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
         return elapsed
@@ -169,6 +183,8 @@ class Runner:
         v["temperature"].view(np.float32)[out] = [row.seq.params.temperature for row in rows]
         v["key"][out] = seed_key_data(np.array([row.seq.seed for row in rows], np.uint64)).view(np.int32)
         v["sample_index"][out] = [row.sample_index for row in rows]
+        v["top_k"][out] = [row.seq.params.top_k for row in rows]
+        v["top_p"].view(np.float32)[out] = [row.seq.params.top_p for row in rows]
         return StepInput(shape, v["_buffer"])
 
     def _sampler_input(self, variant: SamplerVariant) -> SamplerInput:
@@ -183,11 +199,22 @@ class Runner:
         fields[:, 2] = np.float32(1.0).view(np.int32)  # top_p 1 on padding rows
         return SamplerInput(variant, buf, mask, fields, buf[R * (W + SAMPLER_ROW_FIELDS):])
 
-    def sampler_input(self, plan: StepPlan, masked: bool = False) -> SamplerInput | None:
+    @staticmethod
+    def wants_filters(plan: StepPlan) -> bool:
+        return any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
+                   for r in plan.rows)
+
+    def filters_in_step(self, plan: StepPlan) -> bool:
+        """The step samples its top-k / top-p rows itself (its filtered variant exists or may compile now)."""
+        ready = self.filtered_ready
+        return (not plan.shape.prefill_rows and self.wants_filters(plan)
+                and (ready is None or plan.shape in ready))
+
+    def sampler_input(self, plan: StepPlan, masked: bool = False, filters_in_step: bool = False
+                      ) -> SamplerInput | None:
         """The second sampler this step needs (filters? logprobs? grammar masks?) with its per-row fields filled and
-        the mask words all ones, or None (the usual case: the fused sampler in the step is enough)."""
-        filtered = any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
-                       for r in plan.rows)
+        the mask words all ones, or None (the usual case: the sampler in the step is enough)."""
+        filtered = not filters_in_step and self.wants_filters(plan)
         want_lp = any(r.seq.params.logprobs is not None for r in plan.rows)  # 0: the chosen token's only
         if not filtered and not want_lp and not masked:
             return None
@@ -210,12 +237,14 @@ class Runner:
         slot = self._take_slot()
         assert slot.step is None, "slot reused before the commit that reads it"
         self._last_launched = slot
-        second = None if defer_sampling else self.sampler_input(step.plan)
+        in_step = not defer_sampling and self.filters_in_step(step.plan)
+        second = None if defer_sampling else self.sampler_input(step.plan, filters_in_step=in_step)
         slot.step, slot.awaiting_mask = step, defer_sampling
         slot.sampler = second.variant if second is not None else None
         inp = step.input
         self.input_transfers += (inp.packed is not None) + (second is not None)
-        self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record)
+        self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record,
+                            filtered=in_step)
         if second is not None:
             self._resample_into(slot, second.variant, second.buffer)
         if not defer_sampling:
@@ -271,13 +300,14 @@ class Runner:
             self._prev_tokens = slot.tokens
 
     def _dispatch_into(self, slot: DecodeSlot, shape: StepShape, packed: np.ndarray | jax.Array,
-                       record: StepRecord | None = None) -> None:
+                       record: StepRecord | None = None, filtered: bool = False) -> None:
         """Run one step into `slot`: one host->device copy (none if packed is already on the device), outputs and KV
         donated."""
         if record is not None:
             record.t_put = time.perf_counter()
+        step = self._step_filtered if filtered else self._step
         with _input_transfer():
-            slot.tokens, slot.logits, self.kv = self._step(
+            slot.tokens, slot.logits, self.kv = step(
                 shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed)
         if record is not None:
             record.t_dispatched = time.perf_counter()

@@ -47,7 +47,7 @@ class StepLayout:
         for name, dims in (
             ("d_tokens", (Bd,)), ("d_carry", (Bd,)), ("d_pos", (Bd,)), ("d_table", (Bd, P)),
             ("p_tokens", (Bp, Tp)), ("p_start", (Bp,)), ("p_len", (Bp,)), ("p_table", (Bp, P)),
-            ("temperature", (R,)), ("key", (R, 2)), ("sample_index", (R,)),
+            ("temperature", (R,)), ("key", (R, 2)), ("sample_index", (R,)), ("top_k", (R,)), ("top_p", (R,)),
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
@@ -69,6 +69,7 @@ class StepLayout:
         for name, (o, d) in self.fields.items():
             out[name] = jax.lax.slice_in_dim(packed, o, o + math.prod(d)).reshape(d)
         out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
+        out["top_p"] = jax.lax.bitcast_convert_type(out["top_p"], jnp.float32)
         out["key"] = jax.lax.bitcast_convert_type(out["key"], jnp.uint32)
         return out
 
@@ -78,10 +79,12 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
-                prev_tokens, out_tokens, out_logits, packed):
+                prev_tokens, out_tokens, out_logits, packed, *, filtered: bool = False):
     """Returns (out_tokens, out_logits, kv). prev_tokens is the previous step's token output (read for carry-over,
     never donated); the output buffers and kv are donated and come back updated in place. The logits of every row
-    stay on the device for a later sampler (filters, logprobs, grammar masks)."""
+    stay on the device for a later sampler (logprobs, grammar masks, filters of a step without a filtered variant).
+    filtered: sample with each row's top-k / top-p (`sampling.sample`) instead of the plain sampler, so that such a
+    step needs no second sampler launch (a decode step's variant; docs/decisions.md)."""
     f = StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
@@ -141,7 +144,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         hidden = hidden[last]
     # a decode-only step's rows are its tokens: no gather (XLA kept the identity gather as a kernel of its own)
     logits = logits_fn(params, hidden)
-    tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"])
+    if filtered:
+        tokens_out = sample(logits, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+    else:
+        tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"])
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
     return out_tokens, out_logits, kv

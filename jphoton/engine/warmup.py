@@ -82,6 +82,7 @@ class Warmup:
         self.runner, self.scheduler, self.mode, self.progress = runner, scheduler, mode, progress
         self.shapes = scheduler.config.all_shapes()
         self.samplers = runner.sampler_variants()
+        self.filtered = runner.filtered_shapes()  # decode steps' top-k / top-p variants, compiled last
         self.compiled: set[StepShape] = set()
         self.samplers_compiled = 0
         self.first_token_s: float | None = None  # seconds until the first tier was ready
@@ -100,6 +101,7 @@ class Warmup:
         if self.mode == "off":
             self._done.set()
             return
+        self.runner.filtered_ready = set()  # until a variant is compiled, its steps sample through the second sampler
         if self.mode == "full":
             self.runner.warmup(self.shapes, progress=self.progress)
             self.compiled.update(self.shapes)
@@ -145,7 +147,9 @@ class Warmup:
             self._thread.join()
 
     def stats(self) -> dict:
-        return {"shapes_compiled": len(self.compiled), "shapes_total": len(self.shapes),
+        filtered = len(self.runner.filtered_ready or ()) if self.mode != "off" else 0
+        return {"shapes_compiled": len(self.compiled) + filtered,
+                "shapes_total": len(self.shapes) + (len(self.filtered) if self.mode != "off" else 0),
                 "all_shapes_ready": self.all_ready}
 
     # ---- the background thread -------------------------------------------------------------------------------------
@@ -154,7 +158,8 @@ class Warmup:
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(queue) + len(self.samplers), desc="compiling step shapes (serving meanwhile)",
+            bar = tqdm(total=len(queue) + len(self.samplers) + len(self.filtered),
+                       desc="compiling step shapes (serving meanwhile)",
                        unit="shape", leave=False)
         try:
             samplers_after = sum(1 for s in queue if not s.prefill_rows)  # decode buckets, then samplers
@@ -172,6 +177,12 @@ class Warmup:
                 if samplers_after <= 0 and self.samplers_compiled < len(self.samplers):
                     self._compile_samplers(bar)
             self._compile_samplers(bar)
+            for shape in self.filtered:
+                if self._stop.is_set():
+                    break
+                self.runner.compile_step(shape, filtered=True)
+                if bar is not None:
+                    bar.update()
         except BaseException as e:  # noqa: BLE001 -- reported by stats() and wait(), logged here
             self.error = e
             log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
@@ -196,8 +207,8 @@ class Warmup:
         self.all_ready_s = time.perf_counter() - self._t0
         self.scheduler.ready = None  # every shape: the scheduler's unrestricted path
         self._done.set()
-        log.info("all %d step shapes ready (%d second samplers) in %.1fs", len(self.shapes), len(self.samplers),
-                 self.all_ready_s)
+        log.info("all %d step shapes ready (%d second samplers, %d top-k/top-p decode variants) in %.1fs",
+                 len(self.shapes), len(self.samplers), len(self.filtered), self.all_ready_s)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
