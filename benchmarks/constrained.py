@@ -1,8 +1,10 @@
-"""Constrained (JSON schema) vs free decoding throughput, pipelined (depth 2), closed loop of N streams.
+"""Constrained vs free decoding throughput, pipelined (depth 2), closed loop of N streams, for two constraints: a
+JSON schema and a regex shaped like spatial output (a list of x,y coordinates, as Moondream's point skill emits).
 
-The schema run goes first; the free run then replays the same prompts with max_tokens set to the lengths the schema
-run produced, so both decode the same number of tokens per request and the ratio isolates the cost of the grammar:
-mask building on the host, the deferred (masked) sampler, and any GPU idle they cause.
+Each constrained run goes first; the free run then replays the same prompts with max_tokens set to the lengths the
+constrained run produced, so both decode the same number of tokens per request and the ratio isolates the cost of the
+grammar: mask building on the host, the deferred (masked) sampler, and any GPU idle they cause. Outputs cut by
+max_tokens before the constraint closed are counted apart (`truncated`); `valid` counts complete, valid outputs.
 
   tok/s            generated tokens over the whole run, and its ratio schema / free (target >= 0.9 at 32 streams)
   period           median launch-to-launch interval of decode-only steps
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import sys
 
@@ -51,6 +54,7 @@ SCHEMA = {
     "required": ["id", "name", "tags", "active", "address"], "additionalProperties": False,
 }
 MAX_TOKENS = 160
+COORDS = r"\[\d{1,3},\d{1,3}(;\d{1,3},\d{1,3}){0,15}\]"  # up to 16 points, e.g. [12,407;88,5]
 
 
 PHASES = {  # host phases of a step: (start, end) telemetry fields
@@ -87,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
+    ap.add_argument("--constraints", nargs="+", default=["schema", "coords"], choices=["schema", "coords"])
     args = ap.parse_args(argv)
     if args.export_tokenizer:
         return export_tokenizer(args.export_tokenizer)
@@ -98,37 +103,42 @@ def main(argv=None):
     print(info, flush=True)
     n_max = max(args.streams)
     llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer)
-    schema = json.dumps(SCHEMA)
+    constraint = {"schema": dict(json_schema=json.dumps(SCHEMA)), "coords": dict(regex=COORDS)}
     rows, samples = [], []
-    for n in args.streams:
-        def guided(i):
-            return SamplingParams(max_tokens=args.max_tokens, temperature=0, json_schema=schema)
+    for kind in args.constraints:
+        for n in args.streams:
+            def guided(i, kind=kind):
+                return SamplingParams(max_tokens=args.max_tokens, temperature=0, **constraint[kind])
 
-        closed_loop(llm, n, 1, seed=99, prompt_len=PROMPT, make_params=guided)  # warm both paths
-        g = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=guided)
-        lengths = g["lengths"]
-        valid = sum(o["finish_reason"] == "stop" and _is_valid(o["text"]) for o in g["outputs"])
-        samples += [o["text"] for o in g["outputs"][:2]]
+            closed_loop(llm, n, 1, seed=99, prompt_len=PROMPT, make_params=guided)  # warm both paths
+            g = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=guided)
+            lengths = g["lengths"]
+            done = [o for o in g["outputs"] if o["finish_reason"] == "stop"]
+            valid = sum(_is_valid(kind, o["text"]) for o in done)
+            samples += [o["text"] for o in g["outputs"][:2]]
 
-        def free(i, lengths=lengths):
-            return SamplingParams(max_tokens=max(1, lengths[i]), temperature=0, ignore_eos=True)
+            def free(i, lengths=lengths):
+                return SamplingParams(max_tokens=max(1, lengths[i]), temperature=0, ignore_eos=True)
 
-        f = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=free)
-        gs, fs = summarize(g, g["timeline"]), summarize(f, f["timeline"])
-        dev_free, dev_guided = llm.device_step_ms(n), llm.device_step_ms(n, sampler="masked")
-        row = dict(streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"], device_free_ms=dev_free,
-                   device_schema_ms=dev_guided, idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
-                   idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
-                   valid=valid, requests=len(g["outputs"]))
-        rows.append(row)
-        print(f"{n:2d} streams: schema {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = {row['ratio']:.1%}; "
-              f"period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device {dev_guided:.3f} vs {dev_free:.3f} ms;"
-              f" idle {row['idle_schema_ms']:.3f} vs {row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, "
-              f"finalize {gs['finalize_ms']:.3f} ms, host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; schema phases "
-              f"(ms) { {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; mean len {row['mean_len']:.0f}; "
-              f"valid {valid}/{len(g['outputs'])}", flush=True)
+            f = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=free)
+            gs, fs = summarize(g, g["timeline"]), summarize(f, f["timeline"])
+            dev_free, dev_guided = llm.device_step_ms(n), llm.device_step_ms(n, sampler="masked")
+            row = dict(constraint=kind, streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"],
+                       device_free_ms=dev_free, device_schema_ms=dev_guided,
+                       idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
+                       idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
+                       valid=valid, truncated=len(g["outputs"]) - len(done), requests=len(g["outputs"]))
+            rows.append(row)
+            print(f"{kind} {n:2d} streams: {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = "
+                  f"{row['ratio']:.1%}; period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device "
+                  f"{dev_guided:.3f} vs {dev_free:.3f} ms; idle {row['idle_schema_ms']:.3f} vs "
+                  f"{row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, finalize {gs['finalize_ms']:.3f} ms, "
+                  f"host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; phases (ms) "
+                  f"{ {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; mean len {row['mean_len']:.0f}; "
+                  f"valid {valid}/{len(done)} complete, {row['truncated']} truncated", flush=True)
     print("sample outputs:", *samples[:3], sep="\n  ")
-    write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "rows": rows,
+    write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "coords": COORDS,
+                                                "rows": rows,
                                                 "samples": samples[:4]})
     return rows
 
@@ -141,7 +151,9 @@ def export_tokenizer(path: str) -> None:
     print(f"wrote the embedded model's tokenizer to {path}", flush=True)
 
 
-def _is_valid(text: str) -> bool:
+def _is_valid(kind: str, text: str) -> bool:
+    if kind == "coords":
+        return re.fullmatch(COORDS, text) is not None
     try:
         import jsonschema
     except ImportError:  # the GPU image may lack it: at least parse

@@ -72,9 +72,11 @@ def test_constrained(tmp_path):
     tok = tmp_path / "tok"  # exported from the embedded model on first use
     rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
                  "--requests-per-stream", "1", "--max-tokens", "24", "--out", str(tmp_path)])
-    (row,) = rows
     assert (tok / "tokenizer.json").exists()
-    assert row["requests"] == 2 and row["schema"]["constrained_steps"] > 0 and row["device_schema_ms"] > 0
+    assert [r["constraint"] for r in rows] == ["schema", "coords"]
+    for row in rows:
+        assert row["requests"] == 2 and row["schema"]["constrained_steps"] > 0 and row["device_schema_ms"] > 0
+        assert row["valid"] + row["truncated"] <= 2
 
 
 def test_kernel_profile():
