@@ -59,8 +59,12 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 raise ValueError("constrained decoding needs a tokenizer; this model has none")
             # The model's vocabulary may be padded past the tokenizer's: n_vocab makes masks cover every logit.
-            self._lltok = llguidance.LLTokenizer(self._tokenizer.hf_json(), n_vocab=self.vocab_size,
-                                                 eos_token=self._eos or None)
+            hf_json = self._tokenizer.hf_json()
+            try:
+                self._lltok = llguidance.LLTokenizer(hf_json, n_vocab=self.vocab_size, eos_token=self._eos or None)
+            except TypeError:  # llguidance <= 1.6 takes one EOS id (the newest wheel for some platforms)
+                self._lltok = llguidance.LLTokenizer(hf_json, n_vocab=self.vocab_size,
+                                                     eos_token=self._eos[0] if self._eos else None)
             self._executor = llguidance.LLExecutor()
             self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name the problem, not the state
         return llguidance
