@@ -54,7 +54,9 @@ SCHEMA = {
     "required": ["id", "name", "tags", "active", "address"], "additionalProperties": False,
 }
 MAX_TOKENS = 160
-COORDS = r"\[\d{1,3},\d{1,3}(;\d{1,3},\d{1,3}){0,15}\]"  # up to 16 points, e.g. [12,407;88,5]
+# up to 16 points, e.g. [12,407;88,5]; [0-9], not \d: \d is any Unicode digit to llguidance (and to Python's re, by
+# an older Unicode table), and a random model picks NKo and fullwidth digits
+COORDS = r"\[[0-9]{1,3},[0-9]{1,3}(;[0-9]{1,3},[0-9]{1,3}){0,15}\]"
 
 
 PHASES = {  # host phases of a step: (start, end) telemetry fields
