@@ -1,12 +1,15 @@
 """What one grammar mask costs outside the engine: llguidance matchers of benchmarks/constrained.py's JSON schema,
 walked through three valid documents (SmolLM2 tokenizer, 49,152 tokens), mask time per state with one thread, then
-32 matchers at mixed states filled at once by the default executor, a 1-thread and a 2-thread one. Compare with the
-`mask` column of benchmarks/constrained.py, which times the same fill inside the engine.
+32 matchers at mixed states filled at once by the default executor and by executors of 1, 2, 4, 8 and 16 threads
+(issue 25: does the fill scale with threads?). Compare with the `mask` column of benchmarks/constrained.py, which
+times the same fill inside the engine.
 
-    python lab/probes/mask_fill.py
+    python lab/probes/mask_fill.py [--tokenizer benchmarks/assets/smollm2-tokenizer] [--out FILE]
 """
 
+import argparse
 import json
+import os
 import sys
 import time
 
@@ -27,8 +30,22 @@ VOCAB = 49152
 
 
 def main() -> None:
-    tok = load_model(None, None).tokenizer
-    lltok = llguidance.LLTokenizer(tok.hf_json(), n_vocab=VOCAB, eos_token=[0])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", help="a tokenizer directory (default: the embedded model's)")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.tokenizer:
+        import pathlib
+
+        from jphoton.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_hf_dir(pathlib.Path(a.tokenizer))
+    else:
+        tok = load_model(None, None).tokenizer
+    try:
+        lltok = llguidance.LLTokenizer(tok.hf_json(), n_vocab=VOCAB, eos_token=[0])
+    except TypeError:  # llguidance <= 1.6
+        lltok = llguidance.LLTokenizer(tok.hf_json(), n_vocab=VOCAB, eos_token=0)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults=JSON_OPTIONS)
     mask = np.full((64, mask_words(VOCAB)), -1, np.int32)
     one = llguidance.LLExecutor(1)
@@ -52,13 +69,30 @@ def main() -> None:
         for t in ids[: (7 * i) % (len(ids) - 1)]:
             m.consume_token(t)
         matchers.append(m)
-    for name, ex in (("default", llguidance.LLExecutor()), ("1 thread", one), ("2 threads", llguidance.LLExecutor(2))):
+    out = {"cpus": os.cpu_count(), "llguidance": getattr(llguidance, "__version__", "?"),
+           "one_mask_us_median": float(np.median(per_state)), "fill_32_rows_ms": {}}
+    executors = [("default", llguidance.LLExecutor())] + [(f"{n} threads", llguidance.LLExecutor(n))
+                                                          for n in (1, 2, 4, 8, 16)]
+    for name, ex in executors:
         ts = []
-        for _ in range(30):
+        for _ in range(50):
             t0 = time.perf_counter()
             fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(matchers)], mask)
             ts.append(time.perf_counter() - t0)
-        print(f"32 rows, executor {name}: median {1e3 * np.median(ts):.3f} ms")
+        out["fill_32_rows_ms"][name] = round(1e3 * float(np.median(ts)), 3)
+        print(f"32 rows, executor {name}: median {1e3 * np.median(ts):.3f} ms, min {1e3 * min(ts):.3f} ms")
+    # the rows one after another on this thread, as the lower bound of one core's work
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        for i, m in enumerate(matchers):
+            fill_next_token_bitmask_par(one, [(m, i)], mask)
+        ts.append(time.perf_counter() - t0)
+    out["fill_32_rows_ms"]["serial calls"] = round(1e3 * float(np.median(ts)), 3)
+    print(f"32 rows one call each (1 thread): median {1e3 * np.median(ts):.3f} ms")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
