@@ -178,13 +178,19 @@ def filtered_sample_xla(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, t
 
 # ------------------------------------------------------------------------------------------------ Pallas (GPU)
 
-def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, target_ref, s_ref, y_ref, out_ref, *,
-            V, block, count_block, interpret):
-    # Each sweep keeps its running sums and argmaxes lane by lane (vectors of `block`) and reduces across lanes once
-    # at its end: a reduction per block (shuffles and shared memory) made a sweep ~3x slower.
-    r = pl.program_id(0)
+def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, target_ref, s_ref, y_ref, parts_in,
+            sync_in, out_ref, parts_ref, sync_ref, *, V, block, count_block, programs, interpret):
+    # Program (r, g) is the g-th of `programs` that share row r: each sweeps its own slice of the row, then the row's
+    # programs exchange their partial sums through `parts_ref` behind a spin barrier on `sync_ref` (one per sweep), and
+    # all of them take the same next step from the same totals. One program per row streamed a row at one SM's ~30-45
+    # GB/s: a top-k count sweep took ~30 us.
+    # Within a program, each sweep keeps running sums and argmaxes lane by lane (vectors of `block`) and reduces across
+    # lanes once at its end: a reduction per block (shuffles and shared memory) made a sweep ~3x slower.
+    del parts_in, sync_in  # the same buffers as parts_ref / sync_ref (aliased): zeros on entry
+    r, g = pl.program_id(0), pl.program_id(1)
     col = jnp.arange(block, dtype=jnp.int32)
     ninf = jnp.full((block,), -jnp.inf, jnp.float32)
+    slot = jnp.arange(8, dtype=jnp.int32)
     m = m_ref[r]
 
     def load(ref, b, n=block, fill=-jnp.inf):
@@ -199,27 +205,51 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
         idx = b * n + jnp.arange(n, dtype=jnp.int32)
         return plgpu.load(ref.at[r, pl.ds(b * n, n)], mask=idx < V, other=fill), idx
 
-    nb, nbc = -(-V // block), -(-V // count_block)
+    def my_blocks(n):
+        """This program's blocks of n entries: [first, last)."""
+        blocks = -(-V // n)
+        per = -(-blocks // programs)
+        first = g * per
+        return first, jnp.minimum(first + per, blocks)
+
+    def exchange(part):
+        """part [8] float32 of this program -> [programs, 8]: every program's of this row, after all have stored."""
+        if programs == 1:
+            return part[None, :]
+        seq = sync_ref[r, g]  # this program's sweeps so far (each program owns its count)
+        parity = seq % 2  # two buffers: a program one sweep ahead never overwrites what another still reads
+        plgpu.store(parts_ref.at[parity, r, g, pl.ds(0, 8)], part)
+        plgpu.debug_barrier()  # every thread's store before this program's arrival
+        plgpu.atomic_add(sync_ref, (r, programs), jnp.int32(1))
+        want = (seq + 1) * programs
+        jax.lax.while_loop(lambda seen: seen < want,
+                           lambda _: plgpu.atomic_add(sync_ref, (r, programs), jnp.int32(0)), jnp.int32(0))
+        plgpu.debug_barrier()
+        sync_ref[r, g] = seq + 1
+        return plgpu.load(parts_ref.at[parity, r, pl.ds(0, programs), pl.ds(0, 8)])
+
+    def column(x, j):
+        return jnp.sum(jnp.where(slot[None, :] == j, x, 0.0), axis=1)
 
     def first_argmax(best, idx):
         """The lowest index holding the largest value (lanes hold their first best): the argmax's tie rule."""
-        return jnp.min(jnp.where(best == jnp.max(best), idx, V)).astype(jnp.int32)
+        top = jnp.max(best)
+        return top, jnp.min(jnp.where(best == top, idx, V)).astype(jnp.int32)
 
     def sweep_count(t):
         # one accumulator vector per probe: a [count_block, PROBES] accumulator ran ~4x slower
-        probe = jnp.arange(PROBES, dtype=jnp.int32)
-        ts = [jnp.max(jnp.where(probe == j, t, KEY_NEG_INF)) for j in range(PROBES)]
+        ts = [jnp.max(jnp.where(slot == j, t, KEY_NEG_INF)) for j in range(PROBES)]
 
         def body(b, cs):
             keys = float_keys(load(s_ref, b, count_block)[0])
             return tuple(c + (keys >= tj).astype(jnp.int32) for c, tj in zip(cs, ts, strict=True))
 
         zero = jnp.zeros((count_block,), jnp.int32)
-        cs = jax.lax.fori_loop(0, nbc, body, (zero,) * PROBES)
-        out = jnp.zeros((PROBES,), jnp.int32)
+        cs = jax.lax.fori_loop(*my_blocks(count_block), body, (zero,) * PROBES)
+        part = jnp.zeros((8,), jnp.float32)
         for j, c in enumerate(cs):
-            out = jnp.where(probe == j, jnp.sum(c), out)
-        return out
+            part = jnp.where(slot == j, jnp.sum(c).astype(jnp.float32), part)
+        return jnp.sum(exchange(part), axis=0).astype(jnp.int32)  # counts < 2^24: exact in float32
 
     def sweep_mass(ta, tb):
         def body(b, st):
@@ -234,8 +264,17 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
                     jnp.where(take_b, i, ib))
 
         zero = jnp.zeros((block,), jnp.float32)
-        za, zb, va, ia, vb, ib = jax.lax.fori_loop(0, nb, body, (zero, zero, ninf, col, ninf, col))
-        return jnp.sum(za), jnp.sum(zb), first_argmax(va, ia), first_argmax(vb, ib)
+        za, zb, va, ia, vb, ib = jax.lax.fori_loop(*my_blocks(block), body, (zero, zero, ninf, col, ninf, col))
+        (ya, ja), (yb, jb) = first_argmax(va, ia), first_argmax(vb, ib)
+        part = jnp.zeros((8,), jnp.float32)
+        for j, v in enumerate((jnp.sum(za), jnp.sum(zb), ya, ja.astype(jnp.float32), yb, jb.astype(jnp.float32))):
+            part = jnp.where(slot == j, v, part)
+        every = exchange(part)
+        out = [jnp.sum(column(every, 0)), jnp.sum(column(every, 1))]
+        for j in (2, 4):  # the largest noisy value over the programs, at its lowest index (indices < 2^24: exact)
+            v, i = column(every, j), column(every, j + 1)
+            out.append(jnp.min(jnp.where(v == jnp.max(v), i, float(V))).astype(jnp.int32))
+        return tuple(out)
 
     def key_at(i):
         blk, idx = load(s_ref, i // block)
@@ -243,33 +282,64 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
 
     start = (lo_ref[r], hi_ref[r], cand_ref[r], done_ref[r] != 0, target_ref[r])
     i = _select_row(sweep_count, sweep_mass, key_at, k_ref[r], p_ref[r], V, m, low_ref[r], start)
-    plgpu.store(out_ref.at[pl.ds(r, 1)], jnp.full((1,), i, jnp.int32))
+
+    @pl.when(g == 0)
+    def _():
+        plgpu.store(out_ref.at[pl.ds(r, 1)], jnp.full((1,), i, jnp.int32))
+
+
+MIN_SHARE = 1024  # entries a program sweeps at least
+
+
+def programs_per_row(rows: int, vocab: int) -> int:
+    """How many programs share a row: the rows together fill the GPU's SMs once (a spin barrier needs every program of
+    a row resident at once: one program per SM at most, whatever else the GPU runs), a power of two, each with at
+    least MIN_SHARE entries to sweep."""
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0)) or 100
+    except RuntimeError:
+        sms = 100
+    per = max(1, min(sms // max(rows, 1), vocab // MIN_SHARE))
+    return 1 << (per.bit_length() - 1)
 
 
 def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array, *, block: int = 8192,
-                    count_block: int = 4096, num_warps: int = 16, num_stages: int = 1,
+                    count_block: int = 4096, num_warps: int = 16, num_stages: int = 1, programs: int | None = None,
                     interpret: bool | None = None) -> jax.Array:
-    """As `filtered_sample_xla`: `prephase` over the batch, then one program per row for what is left (a row the
-    prephase settled only stores its answer)."""
+    """As `filtered_sample_xla`: `prephase` over the batch, then `programs` programs per row for what is left (a row
+    the prephase settled only stores its answer; None: `programs_per_row`, 1 in interpret mode, which runs programs
+    one after another and so cannot wait at a barrier)."""
     if scaled.ndim != 2 or noisy.shape != scaled.shape:
         raise ValueError(f"scaled and noisy must be the same [R, V]; got {scaled.shape}, {noisy.shape}")
     R, V = scaled.shape
-    block = min(block, 1 << (V.bit_length() - 1))  # a power of two <= V (interpret mode's last block overlaps)
-    count_block = min(count_block, block)
     interp = use_interpret(interpret)
-    log_once(log, ("filtered_sample", interp, R, V), "filtered_sample [%d, %d]: %s", R, V,
-             "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
+    if programs is None:
+        programs = 1 if interp else programs_per_row(R, V)
+    if (interp and programs != 1) or programs & (programs - 1):
+        raise ValueError(f"programs must be a power of two (1 in interpret mode), got {programs}")
+    # blocks of at most a program's share (a power of two <= V: interpret mode's last block overlaps)
+    share = -(-V // programs)
+    block = max(256, min(block, 1 << (V.bit_length() - 1), 1 << max(share - 1, 1).bit_length()))
+    count_block = min(count_block, block)
+    log_once(log, ("filtered_sample", interp, R, V, programs), "filtered_sample [%d, %d], %d programs a row: %s", R, V,
+             programs, "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
     top_p = top_p.astype(jnp.float32)
     m, m_low, (lo, hi, cand, done, target) = prephase(scaled, noisy, top_p)
-    kernel = functools.partial(_kernel, V=V, block=block, count_block=count_block, interpret=interp)
+    kernel = functools.partial(_kernel, V=V, block=block, count_block=count_block, programs=programs,
+                               interpret=interp)
+    parts = jnp.zeros((2, R, programs, 8), jnp.float32)
+    sync = jnp.zeros((R, programs + 1), jnp.int32)  # per row: each program's sweep count, then the arrivals
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        return pl.pallas_call(
+        out, _, _ = pl.pallas_call(
             kernel,
-            grid=(R,),
-            out_shape=jax.ShapeDtypeStruct((R,), jnp.int32),
+            grid=(R, programs),
+            out_shape=(jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct(parts.shape, parts.dtype),
+                       jax.ShapeDtypeStruct(sync.shape, sync.dtype)),
+            input_output_aliases={11: 1, 12: 2},
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             name=f"filtered_sample_R{R}",
         )(top_k.astype(jnp.int32), top_p, m, m_low, lo, hi, cand, done.astype(jnp.int32), target,
-          scaled.astype(jnp.float32), noisy.astype(jnp.float32))
+          scaled.astype(jnp.float32), noisy.astype(jnp.float32), parts, sync)
+    return out
