@@ -182,3 +182,13 @@ def test_decode_steps_sample_their_filters_in_the_step(embedded_llm, monkeypatch
     second = [o.token_ids for o in llm.generate(prompts, params)]
     assert fused == second
     assert len(calls) >= 15 and fused_calls <= 2  # only the prefill steps (first tokens) took the second sampler
+
+
+def test_seeded_filtered_tokens_equal_at_depth_1_and_2(embedded_d1, embedded_llm):
+    """The blocking loop (depth 1) and the pipelined one (depth 2) draw the same seeded top-k / top-p tokens."""
+    prompts = [{"prompt_token_ids": [9, 99, 999]}, {"prompt_token_ids": [4, 44, 444, 4444]}]
+    params = [SamplingParams(max_tokens=10, temperature=1.1, top_p=0.85, seed=21, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.6, top_k=12, top_p=0.95, seed=22, ignore_eos=True)]
+    d1 = [o.token_ids for o in embedded_d1.generate(prompts, params)]
+    d2 = [o.token_ids for o in embedded_llm.generate(prompts, params)]
+    assert d1 == d2 and len(set(d1[0])) > 3
