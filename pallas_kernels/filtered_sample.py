@@ -1,5 +1,7 @@
-"""Top-k / top-p sampling without sorting the vocabulary: a threshold search with early exit, as one Pallas (Triton)
-kernel on the GPU and as a row-vectorised `lax.while_loop` elsewhere. Both run the same per-row logic (`_select_row`).
+"""Top-k / top-p sampling without sorting the vocabulary: a threshold search with early exit. On the GPU: XLA
+reductions over the whole batch first (`prephase`: settles most top-p rows), then one Pallas (Triton) kernel in which
+several programs share each row; elsewhere, row-vectorised `lax.while_loop`s. Both run the same per-row logic
+(`_select_row`).
 
 Sampling is Gumbel-max: the token is the argmax of `noisy = scaled + gumbel` over the kept set S. S is an upper set of
 `scaled` (the top-k, then the smallest nucleus of mass >= top_p), so it is {scaled >= tau} for one threshold tau, and:
@@ -16,7 +18,12 @@ Exactly the kept set of the sort-based reference (jphoton/sampling.py `_filter_t
 order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
 the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
 token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
-(lab/probes/topp_cost.py); XLA passes of a fixed-count search, 0.24-0.31 ms.
+(lab/probes/topp_cost.py); this, 0.07 ms at top_p 0.9 and 0.17 ms at top_k 50 (docs/decisions.md for the variants).
+
+The programs of a row meet at a spin barrier once per sweep, so all of them must be resident at once: the kernel
+launches at most one program per SM (`programs_per_row`), on the engine's one compute stream. A GPU whose SMs are
+partly held by other work (another process under MPS, a kernel on another stream) could leave a program waiting for
+an SM that its row's spinning programs never free; there, pass `programs=1`.
 """
 
 from __future__ import annotations
