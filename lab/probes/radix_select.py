@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jphoton import sampling
+from lab.common import device_us_per_call
 
 LEVELS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of the unsigned order key, top down
 
@@ -84,22 +84,7 @@ def timed(fn, R, V, iters=50):
     rng = np.random.default_rng(0)
     lg0 = jnp.asarray(rng.normal(size=(R, V)).astype(np.float32))
     key = jnp.asarray(rng.integers(0, 2**31, (R, 2)).astype(np.uint32))
-
-    @jax.jit
-    def loop(lg0):
-        def body(i, carry):
-            lg, acc = carry
-            tok = fn(lg, key, jnp.full(R, i, jnp.int32))
-            return lg + (tok[:, None] < 0).astype(jnp.float32), acc + tok
-        return jax.lax.fori_loop(0, iters, body, (lg0, jnp.zeros(R, jnp.int32)))[1]
-
-    loop(lg0).block_until_ready()
-    best = 1e9
-    for _ in range(3):
-        t0 = time.perf_counter()
-        loop(lg0).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best / iters * 1e6
+    return device_us_per_call(lambda lg, i: fn(lg, key, jnp.full(R, i, jnp.int32)), lg0, iters)
 
 
 def main():

@@ -5,33 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jphoton import sampling
+from lab.common import device_us_per_call
 
 
 def timed(fn, shape, iters=50):
     lg0 = jnp.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32))
-
-    @jax.jit
-    def loop(lg0):
-        def body(i, carry):
-            lg, acc = carry
-            tok = fn(lg, i)
-            return lg + (tok[:, None] < -5).astype(jnp.float32), acc + tok
-        return jax.lax.fori_loop(0, iters, body, (lg0, jnp.zeros(shape[0], jnp.int32)))[1]
-
-    loop(lg0).block_until_ready()
-    best = 1e9
-    for _ in range(3):
-        t0 = time.perf_counter()
-        loop(lg0).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best / iters * 1e6
+    return device_us_per_call(fn, lg0, iters)
 
 
 def keys(x):
