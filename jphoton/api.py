@@ -387,11 +387,17 @@ class LLM:
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-            if p.max_tokens is not None and len(ids) + p.max_tokens > self.max_model_len:
+            if p.max_tokens is not None and len(ids) + p.max_tokens > self.max_model_len and p.choice is None:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context "
                                  f"({self.max_model_len}); lower max_tokens or pass max_tokens=None")
+            check_limits(p, self.engine_config.limits)
+            new_tokens = p.max_tokens or self.max_model_len - len(ids)
+            options = None
+            if p.choice is not None:  # one sequence per option, each the option and its end (engine/choice.py)
+                options = self._choice_options(p.choice, p.max_tokens, self.max_model_len - len(ids))
+                new_tokens = max(map(len, options)) + 1
             pool = self.engine.pages
-            need = pool.pages_for(len(ids) + (p.max_tokens or self.max_model_len - len(ids)))
+            need = pool.pages_for(len(ids) + new_tokens)
             if need > pool.num_pages:
                 raise ValueError(f"request needs {need} KV pages but the whole pool holds {pool.num_pages}; "
                                  "lower max_tokens or give the engine more KV memory")
@@ -402,7 +408,6 @@ class LLM:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-            check_limits(p, self.engine_config.limits)
             constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
             with self._lock:
                 seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))
@@ -410,8 +415,25 @@ class LLM:
             seq = Sequence(rid, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
                            max_model_len=self.max_model_len, seed=seed)
             seq.constraint = constraint
+            seq.choice_options = options
             seqs.append(seq)
         return seqs
+
+    def _choice_options(self, options: tuple[str, ...], max_tokens: int | None, room: int) -> list[list[int]]:
+        """A choice's options as token ids. ValueError for one longer than max_tokens, or that cannot fit the context
+        (`room` tokens after the prompt) with its end (scoring the end takes one more position)."""
+        tok = self._require_tokenizer()
+        encoded = [tok.encode(o, add_special_tokens=False) for o in options]
+        for i, ids in enumerate(encoded):
+            name = f"choice option {i} ({short(options[i], 40)}) is {len(ids)} tokens"
+            if not ids:
+                raise ValueError(f"choice option {i} ({short(options[i], 40)}) is no tokens")
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise ValueError(f"{name}; max_tokens is {max_tokens}")
+            if len(ids) + 1 > room:
+                raise ValueError(f"{name}; with its end it needs {len(ids) + 1} positions after the prompt and the "
+                                 f"context has {room}")
+        return encoded
 
     def _new_request_id(self) -> int:
         with self._lock:

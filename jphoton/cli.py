@@ -53,7 +53,7 @@ _LIMIT_FLAGS = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_bytes": "longest stop string (UTF-8 bytes)",
     "max_constraint_bytes": "largest json_schema / regex / grammar (bytes; choice: all options together)",
-    "max_choices": "most options of a choice (below 2000)",
+    "max_choices": "most options of a choice (each is scored as a sequence)",
 }
 
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
     limits = Limits()
     for name, help_text in _LIMIT_FLAGS.items():  # per request, checked at submission (EngineConfig.limits)
-        s.add_argument("--" + name.replace("_", "-"), type=_int_in(1, 1999 if name == "max_choices" else None),
+        s.add_argument("--" + name.replace("_", "-"), type=_int_in(1),
                        default=getattr(limits, name), help=help_text)
     s.set_defaults(func=_cmd_serve)
 

@@ -1,9 +1,9 @@
 """Constrained decoding on the host: one llguidance matcher per request, token bitmasks for many rows at once.
 
-llguidance (Rust, no Python dependencies) compiles a JSON schema, regex, Lark/GBNF grammar or choice list against the
-tokenizer in about a millisecond and fills one int32 bitmask row (bit v of word v // 32 = token v allowed) per request
-in ~0.1 ms; its executor fills and advances many rows in parallel threads, which is what keeps the mask off the
-critical path of a batched step. Plain Python otherwise: the engine decides when masks are built and where they go.
+llguidance (Rust, no Python dependencies) compiles a JSON schema, regex or Lark/GBNF grammar against the tokenizer in
+about a millisecond and fills one int32 bitmask row (bit v of word v // 32 = token v allowed) per request in ~0.1 ms;
+its executor fills and advances many rows in parallel threads, which is what keeps the mask off the critical path of a
+batched step. Plain Python otherwise: the engine decides when masks are built and where they go.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ class GrammarCompiler:
         return llguidance
 
     def compile(self, params: SamplingParams) -> Constraint | None:
-        """Compile the request's constraint; a bad schema/regex/grammar is a ValueError here, at submission."""
+        """Compile the request's constraint; a bad schema/regex/grammar is a ValueError here, at submission. A `choice`
+        compiles to nothing: its options are scored as sequences (engine/choice.py)."""
         spec = params.constraint
-        if spec is None:
+        if spec is None or spec[0] == "choice":
             return None
         llg = self._llguidance()
         kind, value = spec
@@ -84,7 +85,7 @@ class GrammarCompiler:
             elif kind == "grammar":
                 grammar = llg.grammar_from("grammar", value)  # Lark as is, GBNF converted to Lark
             else:
-                grammar = llg.grammar_from("choice", list(value))
+                raise AssertionError("choice is scored by the engine (engine/choice.py), not compiled")
         except ValueError as e:  # llguidance's messages may quote the whole input: keep the start
             raise ValueError(f"invalid {kind}: {_cut(str(e))}") from None
         except RecursionError:
@@ -99,8 +100,8 @@ class GrammarCompiler:
 
     def _probe(self, matcher) -> str:
         """Walk a copy of the matcher PROBE_STEPS tokens in (the lowest allowed non-EOS token each time): a grammar that
-        compiles but exceeds llguidance's limits as soon as it is used (a counted repetition like a{1000000}, a choice
-        past the parser's row limit) fails here, at submission, instead of mid-generation. The error, or ""."""
+        compiles but exceeds llguidance's limits as soon as it is used (a counted repetition like a{1000000}) fails
+        here, at submission, instead of mid-generation. The error, or ""."""
         probe = matcher.deep_copy()
         eos = set(self._eos)
         for step in range(PROBE_STEPS):
@@ -119,6 +120,11 @@ class GrammarCompiler:
     def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> None:
         """Write each constraint's next-token bitmask into mask[row] (other rows untouched): on llguidance's parallel
         executor or one row after the other (GIL released in both), as `fill_mode` says or as measured ("auto")."""
+        forced = [(c, r) for c, r in rows if c.kind == "forced"]  # a choice branch's row: its own mask, no matcher
+        if forced:
+            for c, r in forced:
+                c.fill(mask, r)
+            rows = [(c, r) for c, r in rows if c.kind != "forced"]
         if not rows:
             return
         mode = self.fill_mode
@@ -152,6 +158,12 @@ class GrammarCompiler:
     def advance(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         """Feed each constraint its committed token (one row after the other where serial fills won, else on the
         parallel executor); False where the grammar rejected it."""
+        if any(c.kind == "forced" for c, _ in tokens):  # choice branches (engine/choice.py) mixed with matchers
+            matched = iter(self._advance_matchers([(c, t) for c, t in tokens if c.kind != "forced"]))
+            return [c.advance(int(t)) if c.kind == "forced" else next(matched) for c, t in tokens]
+        return self._advance_matchers(tokens)
+
+    def _advance_matchers(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         if not tokens:
             return []
         if self.fill_mode == "serial":
@@ -170,6 +182,10 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete and admits nothing more (EOS included)."""
         return self.matcher.is_stopped()
+
+    @property
+    def failed(self) -> bool:
+        return self.matcher.is_error()
 
     def error(self) -> str:
         return _error_of(self.matcher)

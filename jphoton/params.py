@@ -28,7 +28,9 @@ class SamplingParams:
     json_schema: str | dict | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None  # the whole output matches this regex
     grammar: str | None = None  # a Lark or GBNF grammar
-    choice: tuple[str, ...] | None = None  # the output is one of these strings
+    # the output is one of these strings: the one the model scores highest as a whole sequence, end included (sampled
+    # by those scores at temperature > 0); engine/choice.py
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -166,3 +168,7 @@ class Completion:
     error: str | None = None  # the message when finish_reason == "error"
     # With SamplingParams(logprobs=k): per generated token, (token id, its logprob, {top-k id: logprob}).
     logprobs: list[tuple[int, float, dict[int, float]]] | None = None
+    # With SamplingParams(choice=...): the option chosen (index into `choice`) and every option's score, its total
+    # log-probability under the model, end included (engine/choice.py).
+    choice_index: int | None = None
+    choice_scores: list[float] | None = None

@@ -51,6 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_ids = tuple(sorted(self._stop_ids))
         limit = max_model_len - len(prompt_ids)
         self.max_new_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
@@ -67,6 +68,13 @@ class Sequence:
         self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
         self.constraint = None  # jphoton.constraints.Constraint: the grammar matcher, advanced at each commit
+        # `choice` requests (engine/choice.py): the options as token ids (set at submission); the engine scores them
+        # on internal branch sequences, which point back at their group and may share a leader's prompt pages.
+        self.choice_options: list[list[int]] | None = None
+        self.choice_group = None
+        self.share_from: tuple[Sequence, int] | None = None  # (leader, tokens of its full prompt pages to map)
+        self.choice_index: int | None = None
+        self.choice_scores: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,6 +119,17 @@ class Sequence:
             self.finish_reason, self.error = reason, error
         return self._delta([])
 
+    def finish_with(self, token_ids: list[int], text: str | None, logprobs: list | None) -> Delta:
+        """Finalize with an output decided elsewhere (a `choice` request's option): the whole output in one delta."""
+        assert self.finish_reason is None, "finish_with after finish"
+        self.output_ids = list(token_ids)
+        if logprobs is not None:
+            self.logprobs = list(logprobs)
+        if self.text is not None:
+            self.text = text
+        self.finish_reason = "stop"
+        return self._delta(list(token_ids))
+
     def output(self, delta: Delta, logprobs: list | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, delta, logprobs, len(self.prompt_ids), len(self.output_ids), self.error)
 
@@ -134,4 +153,5 @@ class Sequence:
     def completion(self) -> Completion:
         return Completion(prompt_token_ids=list(self.prompt_ids), token_ids=list(self.output_ids), text=self.text,
                           finish_reason=self.finish_reason or "abort", error=self.error,
-                          logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
+                          logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+                          choice_index=self.choice_index, choice_scores=self.choice_scores)

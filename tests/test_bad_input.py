@@ -257,8 +257,6 @@ def test_limits_are_checked_at_submission_before_any_work(embedded_llm):
     assert len(llm.generate("Hello", ok)[0].token_ids) == 2  # at the limit: accepted
     custom = EngineConfig.from_kwargs(max_stop_strings=2, max_prompt_bytes=10, max_choices=5).limits
     assert (custom.max_stop_strings, custom.max_prompt_bytes, custom.max_choices) == (2, 10, 5)
-    with pytest.raises(ValueError, match="max_choices must be below 2000"):
-        Limits(max_choices=2000)
     with pytest.raises(ValueError, match="max_stop_strings must be a positive integer"):
         Limits(max_stop_strings=0)
 
@@ -275,14 +273,6 @@ def test_constraints_past_llguidance_limits_fail_at_submission(embedded_llm, par
     assert len(str(e.value)) < 300
     out = embedded_llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, regex="[a-z]{3}"))[0]
     assert out.finish_reason in ("stop", "length") and len(out.text) == 3
-
-
-def test_a_choice_past_the_parser_row_limit_is_refused_by_the_probe(embedded_llm):
-    """Without the max_choices limit, llguidance's own row limit (2,000 items) is found by the probe at submission."""
-    compiler = embedded_llm.grammar
-    with pytest.raises(ValueError, match="choice cannot be served: .*max is 2000"):
-        compiler.compile(SamplingParams(choice=tuple(f"o{i}" for i in range(2000))))
-    assert compiler.compile(SamplingParams(choice=tuple(f"o{i}" for i in range(1998)))) is not None
 
 
 def test_an_empty_grammar_is_refused(embedded_llm):

@@ -43,15 +43,13 @@ class Limits:
     max_stop_strings: int = 64  # stop strings per request (the engine checks each against every new token's text)
     max_stop_bytes: int = 1024  # UTF-8 bytes of one stop string
     max_constraint_bytes: int = 256 * 2**10  # a json_schema / regex / grammar text, or all choice options together
-    max_choices: int = 1024  # options of a `choice` (llguidance's parser takes fewer than 2,000)
+    max_choices: int = 1024  # options of a `choice` (each is scored on an internal sequence of its own)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {v!r}")
-        if self.max_choices >= 2000:
-            raise ValueError(f"max_choices must be below 2000 (llguidance's parser limit), got {self.max_choices}")
 
 
 # LLM(...) keywords that live in a group: keyword -> (group, field).

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 class PagePool:
-    """Pages are ints in [0, num_pages). Refcounts let pages be shared later (prefix caching); today every page has one
-    owner. The device pool has one extra page past the end (`trash_page`) where padding rows write harmlessly."""
+    """Pages are ints in [0, num_pages). A page may have several owners (refcounts): a `choice` request's branches share
+    their leader's full prompt pages, read-only (engine/choice.py). The device pool has one extra page past the end
+    (`trash_page`) where padding rows write harmlessly."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
@@ -30,6 +31,14 @@ class PagePool:
         for p in pages:
             self._refs[p] = 1
         return pages
+
+    def share(self, pages: list[int]) -> list[int]:
+        """One more owner for each of `pages` (allocated ones); returns them."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise AssertionError(f"KV page {p} shared while free")
+            self._refs[p] += 1
+        return list(pages)
 
     def release(self, pages: list[int]) -> None:
         for p in pages:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
+from jphoton.engine.choice import ChoiceGroup
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
@@ -67,6 +68,7 @@ class Engine:
         self.inflight: collections.deque[DecodeSlot] = collections.deque()  # launched, not yet committed
         self.ahead: PlannedStep | None = None  # planned during the last tick's finalize; launched next tick
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
+        self._next_branch_id = -1  # internal sequences (a choice request's branches) count down from -1
         self.num_steps = 0
         self.num_constrained_steps = 0
         self.telemetry = Telemetry()
@@ -81,18 +83,31 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        need = self.pages.pages_for(len(seq.prompt_ids) + seq.max_new_tokens)
+        longest = seq.max_new_tokens if seq.choice_options is None else max(map(len, seq.choice_options)) + 1
+        need = self.pages.pages_for(len(seq.prompt_ids) + longest)
         if need > self.pages.num_pages:
-            raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {seq.max_new_tokens} new "
+            raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {longest} new "
                              f"tokens) but the whole pool has {self.pages.num_pages}")
+        if seq.choice_options is not None:  # scored on one branch per option (engine/choice.py); seq never runs
+            group = ChoiceGroup(seq, seq.choice_options, seq.stop_ids, self.pages.page_size, self._branch_id,
+                                self.config.max_model_len)
+            seq.choice_group = group
+            for b in group.branches:
+                self.sequences[b.request_id] = b
+                self.scheduler.add(b)
         self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.choice_group is None:
+            self.scheduler.add(seq)
+
+    def _branch_id(self) -> int:
+        self._next_branch_id -= 1
+        return self._next_branch_id + 1
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Finalize a request now (result emitted with finish_reason "abort"); its pages come back once no in-flight
         step references it. Unknown or already finished ids are ignored."""
         seq = self.sequences.get(request_id)
-        if seq is None or seq.finalized:
+        if seq is None or seq.finalized or seq.request_id < 0:
             return None
         out = seq.output(seq.finish("abort"))
         self._maybe_release(seq)
@@ -160,7 +175,7 @@ class Engine:
         inp = self.runner.sampler_input(plan, masked=True)
         rows = [(r.seq.constraint, r.out_row) for r in plan.rows
                 if r.samples and r.seq.constraint is not None and not r.seq.finalized
-                and not r.seq.constraint.matcher.is_error()]  # zombies and failed rows keep the all-ones row
+                and not r.seq.constraint.failed]  # zombies and failed rows keep the all-ones row
         self.grammar.fill_masks(rows, inp.mask)
         rec.t_masked = now()
         self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
@@ -187,7 +202,11 @@ class Engine:
                 verdict = verdicts.get(id(row), ACCEPTED)
                 if not verdict.accepted:  # cannot happen with a correct mask; end this request only
                     log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
-                    outputs.append(seq.output(seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")))
+                    delta = seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")
+                    if seq.choice_group is None:
+                        outputs.append(seq.output(delta))
+                    else:
+                        self._branch_done(seq, outputs)
                     self._maybe_release(seq)
                     continue
                 delta = seq.append(token, grammar_done=verdict.done)
@@ -198,7 +217,10 @@ class Engine:
                            {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],
                                                              result.logprobs[row.out_row, 1:k + 1], strict=True)})]
                     seq.logprobs.extend(lp)
-                outputs.append(seq.output(delta, lp))
+                if seq.choice_group is None:
+                    outputs.append(seq.output(delta, lp))
+                elif seq.finished:
+                    self._branch_done(seq, outputs)
             if seq.finish_reason is not None and not seq.inflight_refs:  # else release_if_done is a no-op
                 self._maybe_release(seq)
         rec.t_committed = now()
@@ -214,9 +236,39 @@ class Engine:
         return {id(r): GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
                 for r, ok in zip(guided, oks, strict=True)}
 
+    def _branch_done(self, branch: Sequence, outputs: list[RequestOutput]) -> None:
+        """A choice branch finished: once every branch has (or one failed), finalize the request with its pick."""
+        group = branch.choice_group
+        if group.parent.finalized:  # aborted
+            return
+        if branch.finish_reason == "error":
+            for b in group.branches:
+                if not b.finalized:
+                    b.finish("abort")
+                    self._maybe_release(b)
+        if group.decided:
+            outputs.append(group.parent.output(*group.finish()))
+            self._maybe_release(group.parent)
+
     def _maybe_release(self, seq: Sequence) -> None:
-        if self.scheduler.release_if_done(seq):
+        """Give a finalized sequence's pages back once no launched step references it. A choice request holds no
+        pages: it is released with its last branch (and aborting it aborts its branches)."""
+        group = seq.choice_group
+        if group is None:
+            if self.scheduler.release_if_done(seq):
+                del self.sequences[seq.request_id]
+            return
+        if seq is group.parent:
+            for b in group.branches:
+                if not b.finalized:
+                    b.finish("abort")
+                self._maybe_release(b)
+        elif self.scheduler.release_if_done(seq):
             del self.sequences[seq.request_id]
+        parent = group.parent
+        if parent.finalized and parent.status != "released" and group.released:
+            parent.status = "released"
+            del self.sequences[parent.request_id]
 
     def _refreeze_gc(self) -> None:
         self._compiles_seen = compiles.num_compiles()

@@ -276,6 +276,8 @@ class Scheduler:
             if admitting:
                 if s.inflight_refs:  # preempted while in flight: re-admit once its last token has landed
                     continue
+                if s.share_from is not None and not self._share_pages(s):
+                    continue  # a choice branch waits for its leader's prompt prefill to be launched
                 if num_running >= cfg.max_num_seqs:
                     break
                 target = s.num_tokens
@@ -302,6 +304,19 @@ class Scheduler:
         if candidates and not rows and decode and self.ready is not None:
             self._prefill_turn = True  # no ready shape mixes these chunks with decode: try them alone next step
         return rows, shape
+
+    def _share_pages(self, s: Sequence) -> bool:
+        """Map the leader's full prompt pages onto a `choice` branch (engine/choice.py), once the leader's prefill of
+        them is launched (later steps run after it on the device, so their attention reads the written KV). False: not
+        yet. A leader that is gone or was preempted past them leaves the branch to prefill its whole prompt."""
+        leader, tokens = s.share_from
+        if leader.status == "running" and leader.num_computed >= tokens:
+            s.block_table = self.pages.share(leader.block_table[:tokens // self.pages.page_size])
+            s.num_computed = tokens
+        elif not leader.finalized and leader.status != "released":
+            return False
+        s.share_from = None
+        return True
 
     def _max_ready_chunk(self, d_part: int) -> int:
         """Tokens per row of the largest ready prefill bucket that goes with `d_part` decode rows (0: none ready)."""
