@@ -27,6 +27,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # output tokens so far
     error: str | None = None  # why, when finish_reason is "error"
+    choice: tuple[int, list[float]] | None = None  # a choice request's last output: (option index, every score)
 
     @property
     def finished(self) -> bool:
@@ -131,7 +132,9 @@ class Sequence:
         return self._delta(list(token_ids))
 
     def output(self, delta: Delta, logprobs: list | None = None) -> RequestOutput:
-        return RequestOutput(self.request_id, delta, logprobs, len(self.prompt_ids), len(self.output_ids), self.error)
+        choice = (self.choice_index, self.choice_scores) if self.choice_index is not None else None
+        return RequestOutput(self.request_id, delta, logprobs, len(self.prompt_ids), len(self.output_ids), self.error,
+                             choice)
 
     def _check_stop_strings(self) -> None:
         if not self.params.stop:

@@ -214,14 +214,14 @@ class EngineProcess:
         for ev in events:
             kind = ev[0]
             if kind == "out":
-                _, rid, token_ids, text, reason, logprobs, prompt_tokens, completion_tokens, error = ev
+                _, rid, token_ids, text, reason, logprobs, prompt_tokens, completion_tokens, error, choice = ev
                 sink = self._sinks.get(rid)
                 if sink is None:
                     continue
                 if reason is not None:
                     del self._sinks[rid]
                 sink.put_nowait(RequestOutput(rid, Delta(token_ids, text, reason), logprobs, prompt_tokens,
-                                              completion_tokens, error))
+                                              completion_tokens, error, choice))
             elif kind == "reject":
                 sink = self._sinks.pop(ev[1], None)
                 if sink is not None:
@@ -382,7 +382,7 @@ class _EngineLoop:
             if d.finish_reason is not None:
                 del self.front_id[o.request_id], self.engine_id[rid]
         self.out.append(("out", rid, d.token_ids, d.text, d.finish_reason, o.logprobs, o.prompt_tokens,
-                         o.completion_tokens, o.error))
+                         o.completion_tokens, o.error, o.choice))
 
 
 def _die_with_parent() -> None:

@@ -186,6 +186,9 @@ class EngineServicer:
                     msg.finish_reason = reason
                     msg.usage.prompt_tokens = out.prompt_tokens
                     msg.usage.completion_tokens = out.completion_tokens
+                    if out.choice is not None:
+                        msg.choice_index, scores = out.choice
+                        msg.choice_scores.extend(scores)
                 if self.metrics is not None:
                     self.metrics.generation_tokens.inc(len(msg.token_ids))
                     if first:

@@ -314,6 +314,19 @@ def test_constrained_requests_over_grpc(srv):
     srv.wait_idle()
 
 
+def test_choice_over_grpc_reports_the_pick_and_the_scores(srv):
+    question = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+    options = ["Paris", "London", "Berlin"]
+    sampling = pb.SamplingParams(temperature=0, choice=pb.Choice(options=options))
+    _, text, msgs = _collect(srv.stub.Generate(pb.GenerateRequest(text=question[0]["content"], chat=True,
+                                                                  sampling=sampling), timeout=60))
+    [ref] = srv.llm.chat(question, SamplingParams(temperature=0, choice=options))
+    assert text == ref.text == "Paris" and msgs[-1].HasField("choice_index") and msgs[-1].choice_index == 0
+    assert list(msgs[-1].choice_scores) == pytest.approx(ref.choice_scores, abs=1e-4)
+    assert not any(m.HasField("choice_index") or m.choice_scores for m in msgs[:-1])
+    srv.wait_idle()
+
+
 def test_logprobs_over_grpc_equal_llm_generate(srv):
     """SamplingParams.logprobs over gRPC: one TokenLogprob per token, equal to LLM.generate's (greedy and seeded)."""
     for (sampling, params), ref in zip(LOGPROB_CASES, srv.lp_refs, strict=True):

@@ -204,17 +204,19 @@ class Runner:
         return any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
                    for r in plan.rows)
 
-    def filters_in_step(self, plan: StepPlan) -> bool:
-        """The step samples its top-k / top-p rows itself (its filtered variant exists or may compile now)."""
+    def has_filtered_variant(self, plan: StepPlan) -> bool:
+        """The step can sample top-k / top-p rows itself: a decode step whose filtered variant exists (or, before
+        warm-up, may compile now)."""
         ready = self.filtered_ready
-        return (not plan.shape.prefill_rows and self.wants_filters(plan)
-                and (ready is None or plan.shape in ready))
+        return not plan.shape.prefill_rows and (ready is None or plan.shape in ready)
 
-    def sampler_input(self, plan: StepPlan, masked: bool = False, filters_in_step: bool = False
+    def sampler_input(self, plan: StepPlan, masked: bool = False, filtered: bool | None = None
                       ) -> SamplerInput | None:
         """The second sampler this step needs (filters? logprobs? grammar masks?) with its per-row fields filled and
-        the mask words all ones, or None (the usual case: the sampler in the step is enough)."""
-        filtered = not filters_in_step and self.wants_filters(plan)
+        the mask words all ones, or None (the usual case: the sampler in the step is enough). filtered: whether it
+        applies top-k / top-p (default: if any row asks)."""
+        if filtered is None:
+            filtered = self.wants_filters(plan)
         want_lp = any(r.seq.params.logprobs is not None for r in plan.rows)  # 0: the chosen token's only
         if not filtered and not want_lp and not masked:
             return None
@@ -237,8 +239,9 @@ class Runner:
         slot = self._take_slot()
         assert slot.step is None, "slot reused before the commit that reads it"
         self._last_launched = slot
-        in_step = not defer_sampling and self.filters_in_step(step.plan)
-        second = None if defer_sampling else self.sampler_input(step.plan, filters_in_step=in_step)
+        wants = not defer_sampling and self.wants_filters(step.plan)  # (a grammar step filters at finalize)
+        in_step = wants and self.has_filtered_variant(step.plan)
+        second = None if defer_sampling else self.sampler_input(step.plan, filtered=wants and not in_step)
         slot.step, slot.awaiting_mask = step, defer_sampling
         slot.sampler = second.variant if second is not None else None
         inp = step.input
