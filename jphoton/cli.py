@@ -134,6 +134,9 @@ def _cmd_generate(args) -> int:
             alts = "  ".join(f"{llm.tokenizer.decode([i])!r} {v:.3f}" for i, v in top.items())
             print(f"{llm.tokenizer.decode([token])!r}\t{logprob:.3f}" + (f"\ttop: {alts}" if alts else ""),
                   file=sys.stderr)
+    if result.choice_scores is not None:
+        print("choice scores (total logprob, end included): " + "  ".join(
+            f"{o!r} {v:.3f}" for o, v in zip(params.choice, result.choice_scores, strict=True)), file=sys.stderr)
     n = len(result.token_ids)
     decode_s = elapsed - (first[0] - t0) if first else 0.0
     rate = f", {(n - 1) / decode_s:.1f} tok/s after it" if n > 1 and decode_s > 0 else ""
