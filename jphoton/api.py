@@ -226,9 +226,16 @@ class LLM:
         return self.engine.telemetry
 
     def stats(self) -> dict:
-        """kv_pages_total/free, running, waiting, preemptions, steps, num_compiles (from JAX's compile events), and the
-        warm-up's shapes_compiled / shapes_total / all_shapes_ready."""
+        """kv_pages_total/free/evictable (idle: free + evictable == total), prefix_hit_tokens / prefix_query_tokens,
+        running, waiting, preemptions, steps, num_compiles (from JAX's compile events), and the warm-up's
+        shapes_compiled / shapes_total / all_shapes_ready."""
         return {**self.engine.stats(), "num_compiles": compiles.num_compiles(), **self.warmup.stats()}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (e.g. after changing weights in place); returns the KV pages freed.
+        Pages that running requests use stay theirs."""
+        with self._engine_lock:
+            return self.engine.reset_prefix_cache()
 
     def wait_until_ready(self, timeout: float | None = None) -> bool:
         """Block until every step shape is compiled (warmup="background" compiles them while serving); True once
@@ -239,11 +246,12 @@ class LLM:
         """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the
         device's own step time, which the pipelined loop should match. Each row attends over `context` tokens (0:
         padding rows); sampler="masked" adds the grammar sampler after each step. Needs an idle engine (it overwrites
-        KV pages); compiles the shape if warm-up did not."""
+        KV pages, so the prefix cache is emptied first); compiles the shape if warm-up did not."""
         if sampler not in (None, "masked"):
             raise ValueError(f"sampler must be None or 'masked', got {sampler!r}")
         if self.has_unfinished_requests():
             raise RuntimeError("device_step_ms needs an idle engine: requests are still live")
+        self.reset_prefix_cache()  # the timed steps write over pages, cached prefixes' included
         return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked")
 
     # ---- the engine loop for generate/stream (synchronous: runs in the caller's thread) ------------------------------

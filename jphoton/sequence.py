@@ -62,6 +62,8 @@ class Sequence:
         # Engine state (the scheduler and the tick loop own these; the reference decoder ignores them).
         self.status = "waiting"  # waiting -> running -> (preempted back to waiting) -> released
         self.block_table: list[int] = []  # KV pages, in position order
+        self.page_keys: list = []  # prefix-cache keys of the first full pages (engine/pages.py), grown as needed
+        self.pages_cached = 0  # leading block-table pages already offered to the prefix cache
         self.num_computed = 0  # tokens fed to a launched forward (their KV is written, or will be, in stream order)
         self.prefill_target = 0  # tokens to prefill on (re)admission: every token known on the host then
         self.inflight_refs = 0  # launched, uncommitted steps that contain this sequence (0, 1 or 2)

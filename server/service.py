@@ -139,7 +139,9 @@ class EngineServicer:
                         waiting=s["waiting"], num_compiles=s["num_compiles"], queued=s["queued"],
                         max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0),
                         shapes_compiled=s["shapes_compiled"], shapes_total=s["shapes_total"],
-                        all_shapes_ready=s["all_shapes_ready"])
+                        all_shapes_ready=s["all_shapes_ready"], kv_pages_evictable=s.get("kv_pages_evictable", 0),
+                        prefix_hit_tokens=s.get("prefix_hit_tokens", 0),
+                        prefix_query_tokens=s.get("prefix_query_tokens", 0))
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context):

@@ -118,7 +118,7 @@ def _soak(llm, seconds: float) -> None:
                 deadline = time.monotonic() + 60
                 while True:
                     s = await stub.GetStats(pb.GetStatsRequest(), timeout=10)
-                    if s.kv_pages_free == s.kv_pages_total and s.running == s.waiting == s.queued == 0:
+                    if s.kv_pages_free + s.kv_pages_evictable == s.kv_pages_total and s.running == s.waiting == s.queued == 0:
                         return s
                     assert time.monotonic() < deadline, f"pages/requests not released: {s}"
                     await asyncio.sleep(0.05)

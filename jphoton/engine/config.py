@@ -71,6 +71,7 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_kv_pages: int | None = None  # None: max_num_seqs full contexts, capped by free device memory (CPU: 256 MiB)
     kv_memory_fraction: float = 0.85  # of free device memory the KV pool may take
+    prefix_caching: bool = True  # full KV pages of shared prompt prefixes are reused (engine/pages.py)
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
@@ -99,6 +100,8 @@ class EngineConfig:
         positive_int("num_kv_pages", self.num_kv_pages, allow_none=True)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {self.pipeline_depth!r}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -61,7 +61,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig, num_pages: int, grammar: GrammarCompiler | None = None):
         self.config = config
         self.depth = config.pipeline_depth
-        self.pages = PagePool(num_pages, config.page_size)
+        self.pages = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.pages)
         self.runner = Runner(model, config, num_pages)
         self.grammar = grammar
@@ -112,6 +112,10 @@ class Engine:
         out = seq.output(seq.finish("abort"))
         self._maybe_release(seq)
         return out
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (pages in use stay with their sequences); returns the pages freed."""
+        return self.pages.reset_cache()
 
     def has_work(self) -> bool:
         return bool(self.inflight) or self.ahead is not None or self.scheduler.has_work()
@@ -281,6 +285,9 @@ class Engine:
         return {
             "kv_pages_total": self.pages.num_pages,
             "kv_pages_free": self.pages.num_free,
+            "kv_pages_evictable": self.pages.num_evictable,  # cached prefixes nobody uses (free when needed)
+            "prefix_hit_tokens": self.pages.hit_tokens,
+            "prefix_query_tokens": self.pages.query_tokens,
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "preemptions": self.scheduler.num_preemptions,

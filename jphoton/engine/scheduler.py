@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jphoton.engine.pages import PagePool
+from jphoton.engine.pages import PagePool, page_keys
 from jphoton.sequence import Sequence
 
 
@@ -141,8 +141,7 @@ class Scheduler:
         """Give a finalized sequence's pages back once no launched step references it (zombies wait for that)."""
         if not seq.finalized or seq.inflight_refs or seq.status == "released":
             return False
-        self.pages.release(seq.block_table)
-        seq.block_table = []
+        self._release_pages(seq)
         if seq.status == "running":
             self.running.remove(seq)
         elif seq.status == "waiting":
@@ -278,6 +277,8 @@ class Scheduler:
                     continue
                 if s.share_from is not None and not self._share_pages(s):
                     continue  # a choice branch waits for its leader's prompt prefill to be launched
+                if not s.block_table and self.pages.prefix_caching:
+                    self._map_cached_prefix(s)
                 if num_running >= cfg.max_num_seqs:
                     break
                 target = s.num_tokens
@@ -298,6 +299,8 @@ class Scheduler:
                 num_running += 1
             row.tokens = [s.token_at(i) for i in range(s.num_computed, s.num_computed + chunk)]
             rows.append(row)
+            if self.pages.prefix_caching:  # pages this chunk fills are cached (later steps read what it writes)
+                self._cache_written_pages(s, s.num_computed + chunk)
             planned.add(id(s))
             shape = fit
             budget -= chunk
@@ -317,6 +320,32 @@ class Scheduler:
             return False
         s.share_from = None
         return True
+
+    def _map_cached_prefix(self, s: Sequence) -> None:
+        """Map the longest cached run of s's full pages onto its (empty) block table; at least one token is left to
+        compute, whose logits the admission samples."""
+        target = s.num_tokens
+        keys = self._page_keys(s, (target - 1) // self.pages.page_size)
+        pages = self.pages.lookup(keys)
+        s.block_table, s.pages_cached = pages, len(pages)
+        s.num_computed = len(pages) * self.pages.page_size
+        self.pages.query_tokens += target
+        self.pages.hit_tokens += s.num_computed
+
+    def _cache_written_pages(self, s: Sequence, written: int) -> None:
+        """Cache s's full pages below position `written` (launched steps write them) whose tokens the host knows."""
+        known = min(written, len(s.prompt_ids) + len(s.output_ids))
+        n = min(known // self.pages.page_size, len(s.block_table))
+        if n > s.pages_cached:
+            self.pages.register(s.block_table[s.pages_cached:n], self._page_keys(s, n)[s.pages_cached:n])
+            s.pages_cached = n
+
+    def _page_keys(self, s: Sequence, n: int) -> list:
+        ps = self.pages.page_size
+        if len(s.page_keys) >= n:
+            return s.page_keys[:n]
+        tokens = s.prompt_ids if n * ps <= len(s.prompt_ids) else s.prompt_ids + s.output_ids
+        return page_keys(tokens, ps, n, s.page_keys)[:n]
 
     def _max_ready_chunk(self, d_part: int) -> int:
         """Tokens per row of the largest ready prefill bucket that goes with `d_part` decode rows (0: none ready)."""
@@ -359,7 +388,7 @@ class Scheduler:
         need = self.pages.pages_for(num_tokens) - len(s.block_table)
         if need <= 0:
             return True
-        while self.pages.num_free < need:
+        while self.pages.num_available < need:
             if not may_preempt:
                 return False
             victims = [v for v in self.running if v is not s and id(v) not in planned and not v.finalized
@@ -371,12 +400,19 @@ class Scheduler:
         s.block_table += self.pages.allocate(need)
         return True
 
+    def _release_pages(self, s: Sequence) -> None:
+        """Drop s's block table; the full pages its launched steps wrote stay cached (prefix caching) until evicted."""
+        if self.pages.prefix_caching:
+            self._cache_written_pages(s, s.num_computed)
+        self.pages.release(s.block_table)
+        s.block_table = []
+        s.pages_cached = 0
+
     def _preempt(self, s: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens; the sequence is prefilled again from its full history.
         Freeing pages of a sequence still in flight is safe: the device runs steps in order, so the in-flight step's
         writes land before any later step that reuses the pages, and its sampled token is still valid."""
-        self.pages.release(s.block_table)
-        s.block_table = []
+        self._release_pages(s)
         s.num_computed = 0
         s.prefill_target = 0
         s.status = "waiting"
