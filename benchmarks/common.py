@@ -120,9 +120,10 @@ def gc_watch(ticks: list):
         gc.callbacks.remove(on_gc)
 
 
-def timed_run(llm, prompts: list, params, guard: bool = True) -> RunStats:
+def timed_run(llm, prompts: list, params, guard: bool = True, ttft: dict | None = None) -> RunStats:
     """Queue every prompt at once (token id lists or strings), step the engine to the end, and time each step() call
-    by the kind of engine step it launched (telemetry). params: one SamplingParams for all, or one per prompt."""
+    by the kind of engine step it launched (telemetry). params: one SamplingParams for all, or one per prompt.
+    ttft: filled with {request id: seconds from the start to its first token}."""
     per = params if isinstance(params, list) else [params] * len(prompts)
     rids = [llm.add_request(_prompt(p), sp) for p, sp in zip(prompts, per, strict=True)]
     tokens = {r: [] for r in rids}
@@ -141,6 +142,8 @@ def timed_run(llm, prompts: list, params, guard: bool = True) -> RunStats:
                     first_token.setdefault(o.request_id, t1 - t_start)
                     tokens[o.request_id] += o.delta.token_ids
     wall = time.perf_counter() - t_start
+    if ttft is not None:
+        ttft.update(first_token)
     kinds = tick_kinds(ticks, llm.telemetry.records)
     dur = [t1 - t0 for t0, t1 in ticks]
     decode = [t for t, k in zip(dur, kinds, strict=True) if k == "decode"]

@@ -49,6 +49,18 @@ def test_sampling(tmp_path):
     assert rows[-1]["compiles_during_runs"] == 0
 
 
+def test_prefix_cache(tmp_path):
+    from benchmarks.prefix_cache import main
+
+    summary, shared = main(["--model", TINY, "--requests", "3", "--system-len", "40", "--unique-len", "5",
+                            "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1",
+                            "--out", str(tmp_path / "p.json")])
+    assert summary["hit_tokens_on"] >= 2 * 32 and summary["compiles"] == 0  # pages of 16: two full ones shared
+    off, on = sorted(shared, key=lambda r: r["cache"])
+    assert off["hit_tokens"] == 0 and on["token_ids"] == off["token_ids"]
+    assert json.loads((tmp_path / "p.json").read_text())["summary"]["prefill_speedup"] > 0
+
+
 def test_pipeline(tmp_path):
     from benchmarks.pipeline import main
 
