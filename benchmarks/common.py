@@ -123,7 +123,10 @@ def gc_watch(ticks: list):
 def timed_run(llm, prompts: list, params, guard: bool = True, ttft: dict | None = None) -> RunStats:
     """Queue every prompt at once (token id lists or strings), step the engine to the end, and time each step() call
     by the kind of engine step it launched (telemetry). params: one SamplingParams for all, or one per prompt.
-    ttft: filled with {request id: seconds from the start to its first token}."""
+    ttft: filled with {request id: seconds from the start to its first token}. The prefix cache is emptied first: a
+    benchmark that runs its prompts again (an untimed twin, another depth) times full prefills, as a reference
+    engine without the cache would do them."""
+    llm.reset_prefix_cache()
     per = params if isinstance(params, list) else [params] * len(prompts)
     rids = [llm.add_request(_prompt(p), sp) for p, sp in zip(prompts, per, strict=True)]
     tokens = {r: [] for r in rids}
@@ -175,9 +178,10 @@ def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, prompt_l
                 lengths=(50, 150)) -> dict:
     """`streams` requests in flight at all times until streams x requests_per_stream are done. make_params(i) gives
     request i's SamplingParams (default: greedy, ignore_eos, max_tokens uniform in `lengths`). Launch-to-launch
-    periods and host phases come from the engine's telemetry."""
+    periods and host phases come from the engine's telemetry. The prefix cache is emptied first (as in timed_run)."""
     from jphoton import SamplingParams
 
+    llm.reset_prefix_cache()
     rng = np.random.default_rng(seed)
     total = streams * requests_per_stream
     max_tokens = rng.integers(lengths[0], lengths[1] + 1, size=total).tolist()

@@ -168,7 +168,8 @@ def _cmd_serve(args) -> int:
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
     limits = {name: getattr(args, name) for name in _LIMIT_FLAGS}
     build = functools.partial(LLM, args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **limits)
+                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              prefix_caching=args.prefix_caching, **limits)
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")
     s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
     s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt in full (by default full KV pages of shared prompt prefixes are reused)")
     s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
     s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")

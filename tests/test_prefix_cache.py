@@ -157,3 +157,17 @@ def test_the_cache_can_be_turned_off_and_counts_nothing():
     s = llm.stats()
     assert s["prefix_hit_tokens"] == s["prefix_query_tokens"] == s["kv_pages_evictable"] == 0
     assert s["kv_pages_free"] == s["kv_pages_total"]
+
+
+def test_a_constrained_request_on_a_cached_prefix_gives_the_same_output(embedded_llm):
+    llm = embedded_llm
+    prompt = {"prompt_token_ids": llm.encode_chat([{"role": "system", "content": "You answer in JSON. " * 6},
+                                                  {"role": "user", "content": "Describe a cat."}])}
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, json_schema={
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]})
+    llm.reset_prefix_cache()
+    cold = llm.generate(prompt, params)[0]
+    hits = llm.stats()["prefix_hit_tokens"]
+    warm = llm.generate(prompt, params)[0]
+    assert llm.stats()["prefix_hit_tokens"] - hits >= len(prompt["prompt_token_ids"]) - 16
+    assert (warm.text, warm.token_ids, warm.finish_reason) == (cold.text, cold.token_ids, cold.finish_reason)

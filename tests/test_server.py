@@ -325,7 +325,8 @@ def test_choice_over_grpc_reports_the_pick_and_the_scores(srv):
     assert text == ref.text == "Paris" and msgs[-1].HasField("choice_index") and msgs[-1].choice_index == 0
     assert list(msgs[-1].choice_scores) == pytest.approx(ref.choice_scores, abs=1e-4)
     assert not any(m.HasField("choice_index") or m.choice_scores for m in msgs[:-1])
-    srv.wait_idle()
+    s = srv.wait_idle()  # the same chat prompt twice: its full pages came from the prefix cache the second time
+    assert s.prefix_hit_tokens > 0 and s.prefix_query_tokens >= s.prefix_hit_tokens and s.kv_pages_evictable > 0
 
 
 def test_logprobs_over_grpc_equal_llm_generate(srv):
@@ -612,7 +613,8 @@ def test_serve_cli_flags(capsys):
         main(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--model", "--host", "--port", "--dtype", "--pipeline-depth", "--max-queue", "--metrics-port"):
+    for flag in ("--model", "--host", "--port", "--dtype", "--pipeline-depth", "--max-queue", "--metrics-port",
+                 "--no-prefix-caching"):
         assert flag in out
     # A model that cannot load ends the command with an error (after the port was opened and closed again).
     assert main(["serve", "--model", "random:no-such-model", "--port", "0"]) == 2
