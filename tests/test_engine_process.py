@@ -113,6 +113,7 @@ def test_bad_input_is_invalid_argument_and_nothing_is_queued(proc_srv):
         pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(regex="a{1000000}")),  # issue 24 item 6
         pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(100)])),  # item 3
         pb.GenerateRequest(text="   "),
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=1, choice=pb.Choice(options=["a b c d"]))),
     ]
     for request in bad:  # refused by the engine process, answered before any message
         with pytest.raises(grpc.RpcError) as e:
@@ -124,6 +125,10 @@ def test_bad_input_is_invalid_argument_and_nothing_is_queued(proc_srv):
     _wait_idle(stub)
     ids, _, _ = _collect(stub.Generate(_greedy(PROMPTS[0]), timeout=60))
     assert len(ids) == NEW  # still serving
+    choice = pb.SamplingParams(temperature=0, choice=pb.Choice(options=[" Paris", " London"]))
+    _, text, msgs = _collect(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=choice), timeout=60))
+    assert msgs[-1].HasField("choice_index") and text == [" Paris", " London"][msgs[-1].choice_index]
+    assert len(msgs[-1].choice_scores) == 2  # the pick and the scores cross the process boundary
 
 
 def _collect(responses):

@@ -275,23 +275,26 @@ class Scheduler:
             if admitting:
                 if s.inflight_refs:  # preempted while in flight: re-admit once its last token has landed
                     continue
-                if s.share_from is not None and not self._share_pages(s):
-                    continue  # a choice branch waits for its leader's prompt prefill to be launched
-                if not s.block_table and self.pages.prefix_caching:
-                    self._map_cached_prefix(s)
                 if num_running >= cfg.max_num_seqs:
                     break
+                if not self._map_prefix(s):
+                    continue  # a choice branch waits for its leader's prompt prefill to be launched
                 target = s.num_tokens
             else:
                 target = s.prefill_target
             chunk = min(target - s.num_computed, max_chunk, budget)
             row = Row(s, s.num_computed, chunk, [], -1, s.num_computed + chunk == target, len(s.output_ids))
             fit = self._fit_prefill(d_part, rows + [row], decode)
-            if fit is None:
-                break
-            if not self._reserve(s, s.num_computed + chunk, planned, may_preempt=False):
-                break  # no pages: later arrivals wait too (FIFO)
+            if fit is None or not self._reserve(s, s.num_computed + chunk, planned, may_preempt=False):
+                if admitting:  # a waiting sequence holds no pages (two that did could wait on each other forever)
+                    self._release_pages(s)
+                    s.num_computed = 0
+                break  # no shape or no pages: later arrivals wait too (FIFO)
             if admitting:
+                s.share_from = None
+                if self.pages.prefix_caching:
+                    self.pages.query_tokens += target
+                    self.pages.hit_tokens += row.start  # tokens whose KV it reuses
                 self.waiting.remove(s)
                 self.running.append(s)
                 s.status, s.prefill_target = "running", target
@@ -308,17 +311,22 @@ class Scheduler:
             self._prefill_turn = True  # no ready shape mixes these chunks with decode: try them alone next step
         return rows, shape
 
-    def _share_pages(self, s: Sequence) -> bool:
-        """Map the leader's full prompt pages onto a `choice` branch (engine/choice.py), once the leader's prefill of
-        them is launched (later steps run after it on the device, so their attention reads the written KV). False: not
-        yet. A leader that is gone or was preempted past them leaves the branch to prefill its whole prompt."""
-        leader, tokens = s.share_from
-        if leader.status == "running" and leader.num_computed >= tokens:
-            s.block_table = self.pages.share(leader.block_table[:tokens // self.pages.page_size])
-            s.num_computed = tokens
-        elif not leader.finalized and leader.status != "released":
-            return False
-        s.share_from = None
+    def _map_prefix(self, s: Sequence) -> bool:
+        """Before admitting s: map the KV pages it can reuse onto its (empty) block table. A `choice` branch
+        (engine/choice.py) maps its leader's full prompt pages once the leader's prefill of them is launched (later
+        steps run after it on the device, so their attention reads the written KV); until then False (wait). A leader
+        that is gone leaves the branch to the prefix cache or its own prefill. The mapping is undone if s is not
+        admitted after all."""
+        if s.share_from is not None:
+            leader, tokens = s.share_from
+            if leader.status == "running" and leader.num_computed >= tokens:
+                s.block_table = self.pages.share(leader.block_table[:tokens // self.pages.page_size])
+                s.num_computed = tokens
+                return True
+            if not leader.finalized and leader.status != "released":
+                return False
+        if self.pages.prefix_caching:
+            self._map_cached_prefix(s)
         return True
 
     def _map_cached_prefix(self, s: Sequence) -> None:
@@ -329,8 +337,6 @@ class Scheduler:
         pages = self.pages.lookup(keys)
         s.block_table, s.pages_cached = pages, len(pages)
         s.num_computed = len(pages) * self.pages.page_size
-        self.pages.query_tokens += target
-        self.pages.hit_tokens += s.num_computed
 
     def _cache_written_pages(self, s: Sequence, written: int) -> None:
         """Cache s's full pages below position `written` (launched steps write them) whose tokens the host knows."""
