@@ -92,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="engine option (default: LLM's, or the streams)")
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
     ap.add_argument("--constraints", nargs="+", default=["schema", "coords"], choices=["schema", "coords"])
     args = ap.parse_args(argv)
@@ -104,7 +105,8 @@ def main(argv=None):
     info = device_info()
     print(info, flush=True)
     n_max = max(args.streams)
-    llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer)
+    extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}  # fewer step shapes (the CPU smoke test)
+    llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer, **extra)
     constraint = {"schema": dict(json_schema=json.dumps(SCHEMA)), "coords": dict(regex=COORDS)}
     rows, samples = [], []
     for kind in args.constraints:

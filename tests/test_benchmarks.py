@@ -83,7 +83,7 @@ def test_constrained(tmp_path):
 
     tok = tmp_path / "tok"  # exported from the embedded model on first use
     rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
-                 "--requests-per-stream", "1", "--max-tokens", "24", "--out", str(tmp_path)])
+                 "--requests-per-stream", "1", "--max-tokens", "24", "--max-num-seqs", "2", "--out", str(tmp_path)])
     assert (tok / "tokenizer.json").exists()
     assert [r["constraint"] for r in rows] == ["schema", "coords"]
     for row in rows:
