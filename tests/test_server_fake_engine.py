@@ -1,0 +1,110 @@
+"""The gRPC servicer against stand-in engines: a request that fails mid-flight, and outputs that arrive in bursts and
+go out coalesced (split from test_server.py, whose tests share one served LLM)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from jphoton import SamplingParams
+from server import jphoton_pb2 as pb
+from server import jphoton_pb2_grpc as pb_grpc
+from server.app import Server, ServerThread
+
+PROMPT = "def fibonacci(n):"
+STREAM_PARAMS = SamplingParams(max_tokens=12, temperature=0, stop=["\n\n"])
+
+
+# ---- mid-flight failure (fake engine: a correct mask never lets the matcher fail) -----------------------------------
+class _FakeEngine:
+    """Stands in for AsyncLLM: one token, then the request fails as a rejecting grammar matcher makes it fail."""
+
+    def __init__(self):
+        self.aborted = []
+
+    def submit(self, prompt, params):
+        from jphoton.sequence import Delta, RequestOutput
+
+        q = asyncio.Queue()
+        q.put_nowait(RequestOutput(0, Delta([7], "x"), None, 3, 1))
+        q.put_nowait(RequestOutput(0, Delta([], "", "error"), None, 3, 1, "the grammar rejected token 9"))
+        return 0, q
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def stats(self):
+        return {"num_compiles": 0, "shapes_compiled": 0, "shapes_total": 0}
+
+    info = {"name": "fake"}
+
+    def has_unfinished_requests(self):
+        return False
+
+    def shutdown(self):
+        pass
+
+
+def test_a_mid_flight_failure_is_aborted_after_the_tokens_so_far():
+    server = Server(port=0)
+    fake = _FakeEngine()
+    server.servicer.attach = lambda llm: setattr(server.servicer, "engine", fake) or setattr(
+        server.servicer, "llm", llm)
+    stats = {"num_compiles": 0, "shapes_compiled": 0, "shapes_total": 0}
+    llm = type("FakeLLM", (), {"model": type("M", (), {"name": "fake"})(), "stats": lambda self: stats,
+                               "has_unfinished_requests": lambda self: False})()
+    handle = ServerThread(server).start(llm)
+    handle.wait_ready(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            call = pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=30)
+            got = []
+            with pytest.raises(grpc.RpcError) as e:
+                for m in call:
+                    got.append(m)
+            assert e.value.code() == grpc.StatusCode.ABORTED
+            assert "grammar rejected token 9" in e.value.details()
+            assert [t for m in got for t in m.token_ids] == [7] and got[-1].finish_reason == "error"
+            assert fake.aborted == []  # it finished; nothing to abort
+    finally:
+        handle.stop(grace=1)
+
+
+class _BurstEngine(_FakeEngine):
+    """Replays a real request's deltas in bursts (3 at once, then one by one), as a busy server sees them queue up."""
+
+    def __init__(self, deltas):
+        super().__init__()
+        self.deltas = deltas
+
+    def submit(self, prompt, params):
+        from jphoton.sequence import RequestOutput
+
+        q = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for i, d in enumerate(self.deltas):
+            out = RequestOutput(0, d, None, 5, i + 1)
+            loop.call_later(0 if i < 3 else 0.01 * i, q.put_nowait, out)
+        return 0, q
+
+
+def test_coalesced_messages_carry_exactly_the_streamed_text(embedded_llm):
+    """Outputs that queue while the stream is busy go out as one message: the concatenated text and tokens still equal
+    LLM's own stream, held-back stop-string text included."""
+    deltas = list(embedded_llm.stream(PROMPT, STREAM_PARAMS))
+    ref = embedded_llm.generate(PROMPT, STREAM_PARAMS)[0]
+    server = Server(port=0)
+    server.servicer.attach = lambda llm: setattr(server.servicer, "engine", _BurstEngine(deltas))
+    handle = ServerThread(server).start(object())
+    handle.wait_ready(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            msgs = list(pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=30))
+    finally:
+        handle.stop(grace=1)
+    assert len(msgs) < len(deltas) and max(len(m.token_ids) for m in msgs) > 1  # some were merged
+    assert [t for m in msgs for t in m.token_ids] == ref.token_ids
+    assert "".join(m.text for m in msgs) == ref.text
+    assert msgs[-1].finish_reason == ref.finish_reason
