@@ -14,6 +14,7 @@ _PUBLIC = {
     "Buckets": "jphoton.engine.config",
     "Kernels": "jphoton.engine.config",
     "Limits": "jphoton.engine.config",
+    "NoFreeLoraSlot": "jphoton.engine.loras",
     "JaxModel": "jphoton.models.protocol",
     "SamplingParams": "jphoton.params",
     "Completion": "jphoton.params",

@@ -20,6 +20,7 @@ import numpy as np
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.config import EngineConfig
+from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
 from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
@@ -28,6 +29,7 @@ from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.params import Completion, SamplingParams, short, text_size_error
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
+from jphoton.weights.peft import load_peft_adapter
 from jphoton.weights.store import cache_dir
 
 log = logging.getLogger("jphoton")
@@ -237,6 +239,48 @@ class LLM:
         with self._engine_lock:
             return self.engine.reset_prefix_cache()
 
+    # ---- LoRA adapters (engine/loras.py, models/lora.py) -------------------------------------------------------------
+    def load_lora(self, name: str, path: str | os.PathLike, *, timeout: float | None = 60.0) -> dict:
+        """Serve the HF PEFT LoRA adapter in `path` (adapter_config.json + adapter_model.safetensors) as `name`, for
+        requests with `SamplingParams(lora=name)`. Loading a name again replaces it: requests already running finish
+        on the old weights. Needs `LLM(max_loras=N)`; compiles nothing. If every slot is taken and one is draining (an
+        unloaded adapter still used by running requests), waits up to `timeout` seconds for it (the engine keeps
+        serving); raises NoFreeLoraSlot otherwise, ValueError for an adapter that does not fit. Returns its entry in
+        `list_loras()`."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRA adapter name is a non-empty string, got {short(name)}")
+        if not self.engine.loras.slots:
+            raise ValueError("LoRA is off for this engine: create it with LLM(..., max_loras=N)")
+        adapter = load_peft_adapter(path, self.config, self.engine_config.max_lora_rank)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._engine_lock:
+                try:
+                    self.engine.load_lora(name, adapter)
+                    return next(e for e in self.engine.loras.listing() if e["name"] == name)
+                except NoFreeLoraSlot as e:
+                    if not e.draining or (deadline is not None and time.monotonic() > deadline):
+                        raise
+            # a slot frees when its requests are released: run the engine meanwhile (or wait for its driver)
+            self._run_until(lambda: not self.engine.has_work() or any(s.free for s in self.engine.loras.slots))
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving adapter `name`: new requests naming it are refused at once; requests already running finish on
+        it and its slot is reused after them. False if no adapter of that name is loaded."""
+        with self._engine_lock:
+            return self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters: name, slot, rank, source (path) and running (requests using it now)."""
+        with self._engine_lock:
+            return self.engine.loras.listing()
+
+    def _unknown_lora(self, name: str) -> str:
+        if not self.engine.loras.slots:
+            return f"lora={name!r}: LoRA is off for this engine (create it with max_loras=N and load_lora)"
+        known = ", ".join(repr(e["name"]) for e in self.engine.loras.listing()) or "none"
+        return f"unknown LoRA adapter {name!r} (loaded: {known})"
+
     def wait_until_ready(self, timeout: float | None = None) -> bool:
         """Block until every step shape is compiled (warmup="background" compiles them while serving); True once
         they are, False if `timeout` seconds pass first. After it, no request compiles anything."""
@@ -416,6 +460,8 @@ class LLM:
                 raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            if p.lora is not None and p.lora not in self.engine.loras:
+                raise ValueError(self._unknown_lora(p.lora))
             constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
             with self._lock:
                 seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))

@@ -31,6 +31,7 @@ class SamplingParams:
     # the output is one of these strings: the one the model scores highest as a whole sequence, end included (sampled
     # by those scores at temperature > 0); engine/choice.py
     choice: tuple[str, ...] | None = None
+    lora: str | None = None  # the name of a loaded LoRA adapter (LLM.load_lora); None: the base model
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -67,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a non-negative integer or None, got {short(self.logprobs)}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {short(self.stop_token_ids)}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be an adapter name (a non-empty string) or None, got {short(self.lora)}")
         self._validate_constraint()
 
     def _validate_constraint(self) -> None:

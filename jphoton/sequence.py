@@ -70,6 +70,8 @@ class Sequence:
         self.pending_samples = 0  # sampled tokens still on the device (launched, not yet committed)
         self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
+        self.lora_slot = -1  # the LoRA adapter's device slot (engine/loras.py), -1: the base model
+        self.lora_key = None  # that adapter load's id: part of the prefix-cache key of the pages this sequence writes
         self.constraint = None  # jphoton.constraints.Constraint: the grammar matcher, advanced at each commit
         # `choice` requests (engine/choice.py): the options as token ids (set at submission); the engine scores them
         # on internal branch sequences, which point back at their group and may share a leader's prompt pages.

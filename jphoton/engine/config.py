@@ -72,6 +72,10 @@ class EngineConfig:
     num_kv_pages: int | None = None  # None: max_num_seqs full contexts, capped by free device memory (CPU: 256 MiB)
     kv_memory_fraction: float = 0.85  # of free device memory the KV pool may take
     prefix_caching: bool = True  # full KV pages of shared prompt prefixes are reused (engine/pages.py)
+    # LoRA adapters (engine/loras.py): device slots for this many adapters at once (0: LoRA off, no LoRA programs
+    # compiled), each of rank up to max_lora_rank (a lower rank is zero-padded)
+    max_loras: int = 0
+    max_lora_rank: int = 16
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
@@ -98,6 +102,9 @@ class EngineConfig:
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("page_size", self.page_size)
         positive_int("num_kv_pages", self.num_kv_pages, allow_none=True)
+        positive_int("max_lora_rank", self.max_lora_rank)
+        if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be a non-negative integer (0: LoRA off), got {self.max_loras!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not isinstance(self.prefix_caching, bool):

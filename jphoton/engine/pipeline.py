@@ -35,6 +35,7 @@ from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.choice import ChoiceGroup
 from jphoton.engine.config import EngineConfig
+from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
 from jphoton.engine.scheduler import Scheduler, StepPlan
@@ -64,6 +65,7 @@ class Engine:
         self.pages = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.pages)
         self.runner = Runner(model, config, num_pages)
+        self.loras = LoraSlots(config.max_loras)
         self.grammar = grammar
         self.inflight: collections.deque[DecodeSlot] = collections.deque()  # launched, not yet committed
         self.ahead: PlannedStep | None = None  # planned during the last tick's finalize; launched next tick
@@ -88,11 +90,14 @@ class Engine:
         if need > self.pages.num_pages:
             raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {longest} new "
                              f"tokens) but the whole pool has {self.pages.num_pages}")
+        if seq.params.lora is not None:  # a reference on the adapter's slot until the sequence is released
+            seq.lora_slot, seq.lora_key = self.loras.acquire(seq.params.lora)
         if seq.choice_options is not None:  # scored on one branch per option (engine/choice.py); seq never runs
             group = ChoiceGroup(seq, seq.choice_options, seq.stop_ids, self.pages.page_size, self._branch_id,
                                 self.config.max_model_len)
             seq.choice_group = group
             for b in group.branches:
+                b.lora_slot, b.lora_key = seq.lora_slot, seq.lora_key  # (the request's reference covers them)
                 self.sequences[b.request_id] = b
                 self.scheduler.add(b)
         self.sequences[seq.request_id] = seq
@@ -112,6 +117,17 @@ class Engine:
         out = seq.output(seq.finish("abort"))
         self._maybe_release(seq)
         return out
+
+    def load_lora(self, name: str, adapter) -> None:
+        """Write an adapter (weights/peft.py) into a free slot and serve it as `name` (replacing an adapter of that
+        name: requests running on the old one finish on it, its slot drains). NoFreeLoraSlot if no slot is free."""
+        slot = self.loras.free_slot()
+        self.runner.load_lora(slot, adapter)
+        self.loras.loaded(name, slot, adapter.rank, adapter.source)
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving `name` (False if not loaded); its slot is reused once the requests using it are released."""
+        return self.loras.unload(name)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (pages in use stay with their sequences); returns the pages freed."""
@@ -260,7 +276,7 @@ class Engine:
         group = seq.choice_group
         if group is None:
             if self.scheduler.release_if_done(seq):
-                del self.sequences[seq.request_id]
+                self._forget(seq)
             return
         if seq is group.parent:
             for b in group.branches:
@@ -272,7 +288,13 @@ class Engine:
         parent = group.parent
         if parent.finalized and parent.status != "released" and group.released:
             parent.status = "released"
-            del self.sequences[parent.request_id]
+            self._forget(parent)
+
+    def _forget(self, seq: Sequence) -> None:
+        """A request is released: drop it, and its reference on a LoRA slot (a choice's branches share the parent's)."""
+        del self.sequences[seq.request_id]
+        if seq.lora_slot >= 0:
+            self.loras.release(seq.lora_slot)
 
     def _refreeze_gc(self) -> None:
         self._compiles_seen = compiles.num_compiles()
@@ -295,4 +317,5 @@ class Engine:
             "constrained_steps": self.num_constrained_steps,
             "input_transfers": self.runner.input_transfers,
             "inflight_steps": len(self.inflight),
+            **self.loras.stats(),
         }

@@ -31,6 +31,7 @@ from jphoton.engine.step import (
     sampler_input_size,
 )
 from jphoton.engine.telemetry import StepRecord
+from jphoton.models import lora as lora_lib
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
@@ -54,9 +55,14 @@ class Runner:
         pages_per_seq = -(-max_model_len // page_size)
         pages_per_seq = -(-pages_per_seq // ppb) * ppb
         max_rows = max(self.sched.decode_buckets) + max(r for r, _ in self.sched.prefill_buckets)
+        self.lora_enabled = config.max_loras > 0
+        if self.lora_enabled and not getattr(model, "supports_lora", False):
+            raise ValueError(f"max_loras={config.max_loras}: model {model.name!r} does not support LoRA adapters "
+                             "(dense Llama-family models do; a JaxModel's forward must take lora=)")
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
                                  trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
-                                 pallas_decode=self.sched.pallas_decode)
+                                 pallas_decode=self.sched.pallas_decode, lora_slots=config.max_loras,
+                                 lora_rank=config.max_lora_rank if self.lora_enabled else 0)
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
         self.packed_size = max(StepLayout(s, self.static).size for s in self.sched.all_shapes())
@@ -83,14 +89,26 @@ class Runner:
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
         # device argument and an uncommitted host one compile twice.
         on_device = jax.sharding.SingleDeviceSharding(self.device)
+        # LoRA slot weights (models/lora.py), in the params' layer layout; None when LoRA is off.
+        self.lora_weights = None
+        if self.lora_enabled:
+            per_layer = isinstance(model.params.get("layers"), (tuple, list))
+            host = lora_lib.init_weights(cfg, config.max_loras, config.max_lora_rank, dtype, per_layer)
+            self.lora_weights = jax.device_put(host, self.device)
+            self._per_layer_lora = per_layer
+            self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,), in_shardings=on_device,
+                                       out_shardings=on_device)
         step = functools.partial(engine_step, model.forward, model.logits, self.static)
         jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
                                 out_shardings=on_device)
-        self._step = jit(step)
-        # Decode steps whose rows ask for top-k / top-p sample inside the step with this variant (one launch, not
-        # two). None: compile on demand (no warm-up); else the shapes compiled so far (Warmup fills it), and a step
-        # whose variant is not ready yet samples through the second sampler instead.
-        self._step_filtered = jit(functools.partial(step, filtered=True))
+        # Step variants by (filtered, lora). Decode steps whose rows ask for top-k / top-p sample inside the step with
+        # a filtered variant (one launch, not two); steps with a row that uses a LoRA adapter run a LoRA variant (the
+        # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
+        self._steps = {(f, lo): jit(functools.partial(step, filtered=f, lora=lo))
+                       for f in (False, True) for lo in ((False, True) if self.lora_enabled else (False,))}
+        self._step = self._steps[False, False]  # the base program (lab/ probes call it directly)
+        # None: compile on demand (no warm-up); else the shapes whose filtered variants are compiled so far (Warmup
+        # fills it), and a step whose variant is not ready yet samples through the second sampler instead.
         self.filtered_ready: set[StepShape] | None = None
         self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=on_device, out_shardings=on_device)
@@ -106,7 +124,12 @@ class Runner:
         slot = self.slots[0]
         self._step_specs = (jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv), spec(slot.tokens),
                             spec(slot.tokens), spec(slot.logits),
-                            jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device))
+                            jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
+                            jax.tree.map(spec, self.lora_weights))
+        if self.lora_enabled:  # the adapter write compiles now: loading one while serving compiles nothing
+            blocks = lora_lib.init_weights(cfg, 1, config.max_lora_rank, np.float32, self._per_layer_lora)
+            self._write_lora.lower(self._step_specs[-1], jax.ShapeDtypeStruct((), jnp.int32),
+                                   jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)).compile()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
                                spec(self.carrier))
 
@@ -123,8 +146,10 @@ class Runner:
     def compile_step(self, shape: StepShape, filtered: bool = False) -> None:
         """Compile one step shape ahead of time (safe from another thread while the engine runs: it lowers from
         abstract arguments, never the live buffers that steps donate). The jitted step's own cache is filled, so the
-        engine's next call with this shape dispatches at once. filtered: its top-k / top-p variant."""
-        (self._step_filtered if filtered else self._step).lower(shape, *self._step_specs).compile()
+        engine's next call with this shape dispatches at once. filtered: its top-k / top-p variant. With LoRA on, the
+        shape's LoRA variant compiles with it (a shape is ready when both are)."""
+        for lora in ((False, True) if self.lora_enabled else (False,)):
+            self._steps[filtered, lora].lower(shape, *self._step_specs).compile()
         if filtered and self.filtered_ready is not None:
             self.filtered_ready.add(shape)
 
@@ -172,7 +197,10 @@ class Runner:
             v["d_carry"][:n] = [row.carry_from for row in d]
             v["d_pos"][:n] = [row.start for row in d]
             _fill_ragged(v["d_table"], [row.seq.block_table for row in d])
+            if self.lora_enabled:
+                v["d_lora"][:n] = [row.seq.lora_slot for row in d]
         for j, row in enumerate(plan.prefill):
+            v["p_lora"][j] = row.seq.lora_slot
             v["p_tokens"][j, :row.num_tokens] = row.tokens
             v["p_start"][j] = row.start
             v["p_len"][j] = row.num_tokens
@@ -198,6 +226,19 @@ class Runner:
         fields[:] = 0
         fields[:, 2] = np.float32(1.0).view(np.int32)  # top_p 1 on padding rows
         return SamplerInput(variant, buf, mask, fields, buf[R * (W + SAMPLER_ROW_FIELDS):])
+
+    def uses_lora(self, plan: StepPlan) -> bool:
+        """A row of the step uses a LoRA adapter: the step runs its LoRA variant."""
+        return self.lora_enabled and any(r.seq.lora_slot >= 0 for r in plan.rows)
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Write an adapter (weights/peft.py PeftAdapter) into slot `slot` of the device weights: one precompiled,
+        donated update, ordered after every step already dispatched. The slot must be free (engine/loras.py)."""
+        blocks = lora_lib.slot_blocks(self.model.config, adapter, self.static.lora_rank)
+        if not self._per_layer_lora:
+            blocks = lora_lib.stack_blocks(blocks)
+        with _input_transfer():
+            self.lora_weights = self._write_lora(self.lora_weights, np.int32(slot), blocks)
 
     @staticmethod
     def wants_filters(plan: StepPlan) -> bool:
@@ -247,7 +288,7 @@ class Runner:
         inp = step.input
         self.input_transfers += (inp.packed is not None) + (second is not None)
         self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record,
-                            filtered=in_step)
+                            filtered=in_step, lora=self.uses_lora(step.plan))
         if second is not None:
             self._resample_into(slot, second.variant, second.buffer)
         if not defer_sampling:
@@ -303,25 +344,27 @@ class Runner:
             self._prev_tokens = slot.tokens
 
     def _dispatch_into(self, slot: DecodeSlot, shape: StepShape, packed: np.ndarray | jax.Array,
-                       record: StepRecord | None = None, filtered: bool = False) -> None:
+                       record: StepRecord | None = None, filtered: bool = False, lora: bool = False) -> None:
         """Run one step into `slot`: one host->device copy (none if packed is already on the device), outputs and KV
         donated."""
         if record is not None:
             record.t_put = time.perf_counter()
-        step = self._step_filtered if filtered else self._step
+        step = self._steps[filtered, lora]
         with _input_transfer():
             slot.tokens, slot.logits, self.kv = step(
-                shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed)
+                shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed, self.lora_weights)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
 
     # ---- measurement -----------------------------------------------------------------------------------------------
-    def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False) -> float:
+    def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False,
+                          lora_rows: int = 0) -> float:
         """Seconds per decode-only step of `rows` rows dispatched back to back, with no host work between (what the
         pipelined loop would reach if the host were free). Each row attends over `context` tokens on pages of its own,
         as in serving (0: padding rows on the trash page, attention nearly free); masked_sampler: the grammar sampler
-        runs after each step too. Overwrites KV pages: only for an idle engine."""
+        runs after each step too; lora_rows: the first rows use LoRA slots 0, 1, ... in turn (the step's LoRA
+        variant). Overwrites KV pages: only for an idle engine."""
         bucket = next((d for d in self.sched.decode_buckets if d >= rows), None)
         if bucket is None:
             raise ValueError(f"{rows} rows exceed the largest decode bucket ({self.sched.decode_buckets[-1]})")
@@ -338,6 +381,9 @@ class Runner:
             for i in range(bucket):
                 views["d_table"][i, :pages] = (i * pages + np.arange(pages)) % real
             views["d_pos"][:] = context - 1
+        if lora_rows and not self.lora_enabled:
+            raise ValueError("lora_rows needs an engine with max_loras > 0")
+        views["d_lora"][:min(lora_rows, bucket)] = np.arange(min(lora_rows, bucket)) % max(self.static.lora_slots, 1)
         packed = jax.device_put(views["_buffer"], self.device)
         variant = SamplerVariant(False, 0, True)
         sampler = jax.device_put(self._sampler_input(variant).buffer, self.device) if masked_sampler else None
@@ -345,7 +391,7 @@ class Runner:
         def run(n):
             for _ in range(n):
                 slot = self._take_slot()
-                self._dispatch_into(slot, shape, packed)
+                self._dispatch_into(slot, shape, packed, lora=lora_rows > 0)
                 if sampler is not None:
                     self._resample_into(slot, variant, sampler)
             jax.block_until_ready(self.kv)

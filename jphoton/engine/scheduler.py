@@ -351,7 +351,7 @@ class Scheduler:
         if len(s.page_keys) >= n:
             return s.page_keys[:n]
         tokens = s.prompt_ids if n * ps <= len(s.prompt_ids) else s.prompt_ids + s.output_ids
-        return page_keys(tokens, ps, n, s.page_keys)[:n]
+        return page_keys(tokens, ps, n, s.page_keys, s.lora_key)[:n]
 
     def _max_ready_chunk(self, d_part: int) -> int:
         """Tokens per row of the largest ready prefill bucket that goes with `d_part` decode rows (0: none ready)."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
 from jphoton.engine.scheduler import StepShape
+from jphoton.models.lora import LoraInputs
 from jphoton.sampling import sample, sample_plain, top_logprobs
 
 
@@ -33,6 +34,8 @@ class StepStatic:
     max_rows: int  # length of the output buffers
     sliding_window: int | None
     pallas_decode: bool = False  # decode rows through pallas_kernels/paged_decode_attention.py
+    lora_slots: int = 0  # LoRA adapter slots (models/lora.py); 0: LoRA off
+    lora_rank: int = 0
 
 
 class StepLayout:
@@ -48,6 +51,7 @@ class StepLayout:
             ("d_tokens", (Bd,)), ("d_carry", (Bd,)), ("d_pos", (Bd,)), ("d_table", (Bd, P)),
             ("p_tokens", (Bp, Tp)), ("p_start", (Bp,)), ("p_len", (Bp,)), ("p_table", (Bp, P)),
             ("temperature", (R,)), ("key", (R, 2)), ("sample_index", (R,)), ("top_k", (R,)), ("top_p", (R,)),
+            ("d_lora", (Bd,)), ("p_lora", (Bp,)),  # each row's LoRA slot, -1: none (read by a step's LoRA variant)
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
@@ -61,6 +65,8 @@ class StepLayout:
         views["d_table"][:] = trash_page
         views["p_table"][:] = trash_page
         views["d_carry"][:] = -1
+        views["d_lora"][:] = -1
+        views["p_lora"][:] = -1
         views["_buffer"] = buf
         return views
 
@@ -79,12 +85,15 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
-                prev_tokens, out_tokens, out_logits, packed, *, filtered: bool = False):
+                prev_tokens, out_tokens, out_logits, packed, lora_weights=None, *, filtered: bool = False,
+                lora: bool = False):
     """Returns (out_tokens, out_logits, kv). prev_tokens is the previous step's token output (read for carry-over,
     never donated); the output buffers and kv are donated and come back updated in place. The logits of every row
     stay on the device for a later sampler (logprobs, grammar masks, filters of a step without a filtered variant).
     filtered: sample with each row's top-k / top-p (`sampling.sample`) instead of the plain sampler, so that such a
-    step needs no second sampler launch (a decode step's variant; docs/decisions.md)."""
+    step needs no second sampler launch (a decode step's variant; docs/decisions.md).
+    lora: the step's LoRA variant, for steps with a row that uses an adapter: each token gets its row's slot's update
+    from `lora_weights` (models/lora.py); steps with none run the base program (no LoRA op in it)."""
     f = StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
@@ -137,7 +146,12 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 
-    hidden, kv = forward(params, tokens, positions, kv, attend)
+    if lora:
+        token_lora = jnp.concatenate([f["d_lora"], jnp.repeat(f["p_lora"], Tp)])
+        hidden, kv = forward(params, tokens, positions, kv, attend,
+                             lora=LoraInputs(lora_weights, token_lora, static.lora_slots, static.lora_rank))
+    else:
+        hidden, kv = forward(params, tokens, positions, kv, attend)
     if Bp:  # each row's last token: a prefill row's sits at its own length
         last = jnp.concatenate([jnp.arange(Bd, dtype=jnp.int32),
                                 Bd + jnp.arange(Bp, dtype=jnp.int32) * Tp + jnp.maximum(f["p_len"] - 1, 0)])

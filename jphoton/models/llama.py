@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
+from jphoton.models import lora as lora_lib
 from jphoton.models import qwen3_moe
 from jphoton.models.decoder import Attend, Params, attention_projections
 from jphoton.models.layers import rms_norm, rope_inv_freq, silu_mul
-from jphoton.models.matmul import PlainMatmul
+from jphoton.models.matmul import PlainMatmul, swiglu_of
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -161,7 +162,7 @@ def _split_leading(a: jax.Array) -> tuple[jax.Array, ...]:
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
             attend: Attend, unroll: bool = False, moe_backend: str = "auto",
-            matmul: Callable | None = None) -> tuple[jax.Array, Any]:
+            matmul: Callable | None = None, lora: lora_lib.LoraInputs | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
     Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer loop's carry
@@ -172,8 +173,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     `moe_backend` only matters for MoE configs (models/moe.py). `matmul` (models/matmul.py; None = plain `@`, XLA) runs
     the dense layers' weight matmuls, given the layer's matrix and a stack + index for kernels, and the residual adds
     and RMSNorms after them; MoE configs ignore it. Params may be in the serving layouts (`fuse_params`,
-    `unstack_layers`) or not."""
+    `unstack_layers`) or not. `lora`: per-row LoRA adapters (models/lora.py), added to every target's product; None
+    runs the base model alone (no LoRA op in the program)."""
     if cfg.num_experts:
+        if lora is not None:
+            raise ValueError("LoRA adapters are supported for dense Llama-family models only, not MoE")
         return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
     mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
@@ -191,21 +195,36 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         first_norm = layers["attn_norm"][0]
     x = params["embed"][tokens]
     h = rms_norm(x, first_norm, eps)
+    masks = lora_lib.slot_masks(lora, x.dtype) if lora is not None else None
 
-    def layer(carry, lp, norm_after, stacks, index, kv_layer):
+    def layer(carry, lp, norm_after, stacks, index, kv_layer, lw=None):
         """One decoder layer. lp: this layer's matrices (what an XLA dot should read); stacks[key][index]: the same
         matrix as a stack + index (what a kernel should read: a slice fed to a custom call is copied; per-layer params
-        pass a [1, ...] view and index 0). kv_layer: the layer's index in the KV pool."""
+        pass a [1, ...] view and index 0). kv_layer: the layer's index in the KV pool. lw: the layer's LoRA groups
+        (models/lora.py) or None. A LoRA update of O or down is added to the residual stream before the hook adds the
+        product (same sum); gate+up then runs as a product and a SwiGLU, not the hook's fused `glu`."""
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
 
         def proj(v, key):
             return mm(v, lp[key], stacks[key], index)
 
-        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj)
+        def lora_delta(v, group):
+            return lora_lib.delta(v, *lw[group], masks[group])
+
+        dqkv = lora_delta(h, "qkv") if lw is not None else None
+        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, delta=dqkv)
         o, kv = attend(q, k, v, kv, kv_layer)
-        x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacks["wo"], index, lp["mlp_norm"],
+        o = o.reshape(*x.shape[:-1], cfg.q_size)
+        if lw is not None:
+            x = x + lora_delta(o, "o")
+        x, h = mm.residual(x, o, lp["wo"], stacks["wo"], index, lp["mlp_norm"],
                            stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
-        if "w_gate_up" in lp:
+        if lw is not None:
+            gate_up = proj(h, "w_gate_up") if "w_gate_up" in lp else jnp.concatenate(
+                [proj(h, "w_gate"), proj(h, "w_up")], axis=-1)
+            act = swiglu_of(gate_up + lora_delta(h, "gate_up"))
+            x = x + lora_delta(act, "down")
+        elif "w_gate_up" in lp:
             act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
@@ -216,15 +235,17 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     if per_layer:
         for i, lp in enumerate(layers):
             stacks = {key: a[None] for key, a in lp.items()} | {"next_norm": next_norms[i][None]}
-            carry = layer(carry, lp, next_norms[i], stacks, 0, i)
+            lw = lora_lib.layer_weights(lora.weights, i) if lora is not None else None
+            carry = layer(carry, lp, next_norms[i], stacks, 0, i, lw)
     elif not unroll:
         stacks = {**layers, "next_norm": next_norm}
 
         def scanned(carry, xs):
-            lp, norm_after, index = xs
-            return layer(carry, lp, norm_after, stacks, index, index), None
+            lp, norm_after, index, lw = xs
+            return layer(carry, lp, norm_after, stacks, index, index, lw), None
 
-        carry, _ = jax.lax.scan(scanned, carry, (layers, next_norm, jnp.arange(cfg.num_layers)))
+        lora_xs = lora.weights if lora is not None else None
+        carry, _ = jax.lax.scan(scanned, carry, (layers, next_norm, jnp.arange(cfg.num_layers), lora_xs))
     else:
         # Unrolled as a Python loop, not `scan(unroll=True)`: the layer index is then a constant, where the unrolled
         # scan slices it out of an iota at run time, and every custom call taking it as an operand (attention, GEMVs)
@@ -232,7 +253,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         # serves the unrolled loop over per-layer params (`unstack_layers`); this stacked form is the reference.
         stacks = {**layers, "next_norm": next_norm}
         for i in range(cfg.num_layers):
-            carry = layer(carry, jax.tree.map(lambda a, i=i: a[i], layers), next_norm[i], stacks, i, i)
+            lw = lora_lib.layer_weights(lora.weights, i) if lora is not None else None
+            carry = layer(carry, jax.tree.map(lambda a, i=i: a[i], layers), next_norm[i], stacks, i, i, lw)
     _, h, kv = carry
     return h, kv
 

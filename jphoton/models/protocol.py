@@ -36,6 +36,8 @@ class JaxModel:
     # a decode step reads every weight once whatever its row count). 2 where one-row dots would be padded inside every
     # matmul anyway (models/matmul.py): padding the step once instead saves a pad and a slice kernel per matmul.
     min_decode_rows: int = 1
+    # forward takes `lora=` (models/lora.py LoraInputs): per-row LoRA adapters (LLM(max_loras=N) needs it)
+    supports_lora: bool = False
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -54,13 +56,14 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
     if unroll_layers:  # one array per layer: every layer's GEMMs are one fusion to XLA (docs/step-shapes.md)
         params = llama.unstack_layers(params, consume=True)
 
-    def forward(params, tokens, positions, kv, attend):
+    def forward(params, tokens, positions, kv, attend, lora=None):
         return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend,
-                             matmul=mm)
+                             matmul=mm, lora=lora)
 
     def logits(params, hidden):
         return llama.lm_head(params, hidden, mm)
 
     # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
     min_rows = 1 if config.num_experts else mm.min_rows
-    return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows)
+    return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows,
+                    supports_lora=not config.num_experts)

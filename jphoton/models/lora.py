@@ -1,0 +1,165 @@
+"""Multi-LoRA for the dense Llama family: every row of a step may use a different adapter (or none), in one program.
+
+Device layout: a fixed number of adapter *slots* (`max_loras`, S) of rank up to R (a lower rank is zero-padded). The
+layer's LoRA targets come in four groups, one per input the layer multiplies (HF module names):
+
+    qkv      q_proj | k_proj | v_proj   (input: the attention norm's output)
+    o        o_proj                     (input: the attention output)
+    gate_up  gate_proj | up_proj        (input: the MLP norm's output)
+    down     down_proj                  (input: SwiGLU's output)
+
+A group with n targets keeps, per layer, A [in, S*n*R] (column slot*n*R + t*R + r holds PEFT's lora_A row r of target
+t) and B [S*n*R, out] (block-diagonal per target: row slot*n*R + t*R + r holds lora_B column r, times the adapter's
+scaling, under target t's output columns). A step then adds, to the group's product,
+
+    delta = ((x @ A) * onehot) @ B        onehot[row, c] = 1 where column c belongs to the row's slot
+
+two dense GEMMs over every slot at once: each adapter's weights are read once a step however many rows use it (a
+per-row gather would read them once per row), and the slot is data, so loading or unloading an adapter never
+recompiles. An absent target's blocks stay zero. `delta_reference` is the per-row oracle the tests compare against.
+
+Pure functions here; the slot bookkeeping is engine/loras.py (no jax), reading PEFT files jphoton/weights/peft.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jphoton.config import ModelConfig
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+TARGETS = tuple(t for targets in GROUPS.values() for t in targets)
+
+
+def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every LoRA target module of a dense Llama-family layer."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (D, cfg.q_size), "k_proj": (D, cfg.kv_size), "v_proj": (D, cfg.kv_size),
+            "o_proj": (cfg.q_size, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+def group_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """Per group: (A shape, B shape) of one layer."""
+    dims = target_dims(cfg)
+    out = {}
+    for g, targets in GROUPS.items():
+        cols = num_slots * len(targets) * rank
+        out[g] = ((dims[targets[0]][0], cols), (cols, sum(dims[t][1] for t in targets)))
+    return out
+
+
+class LoraInputs(NamedTuple):
+    """What a LoRA step hands the model: the slot weights (per-layer tuple, or stacked [L, ...], like the params'
+    `layers`) and each token's slot (int32, -1 = none)."""
+
+    weights: Any
+    token_slots: jax.Array
+    num_slots: int
+    rank: int
+
+
+def init_weights(cfg: ModelConfig, num_slots: int, rank: int, dtype, per_layer: bool) -> Any:
+    """All-zero slot weights (no adapter loaded) as numpy arrays; per_layer: a tuple of per-layer dicts (the unrolled
+    layer loop's layout, llama.unstack_layers), else one dict of [L, ...] stacks. Each group: (A, B)."""
+    shapes = group_shapes(cfg, num_slots, rank)
+    L = cfg.num_layers
+    if per_layer:
+        return tuple({g: (np.zeros(a, dtype), np.zeros(b, dtype)) for g, (a, b) in shapes.items()} for _ in range(L))
+    return {g: (np.zeros((L, *a), dtype), np.zeros((L, *b), dtype)) for g, (a, b) in shapes.items()}
+
+
+def slot_blocks(cfg: ModelConfig, adapter, rank: int) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """One adapter's share of every layer, in float32: per layer and group, A [in, n*rank] and B [n*rank, out] (scaling
+    folded into B, absent targets zero, lower ranks zero-padded). adapter: weights/peft.py `PeftAdapter`."""
+    dims = target_dims(cfg)
+    layers = []
+    for layer in range(cfg.num_layers):
+        groups = {}
+        for g, targets in GROUPS.items():
+            n = len(targets)
+            a = np.zeros((dims[targets[0]][0], n * rank), np.float32)
+            b = np.zeros((n * rank, sum(dims[t][1] for t in targets)), np.float32)
+            col = 0
+            for t_i, t in enumerate(targets):
+                pair = adapter.weights.get((layer, t))
+                if pair is not None:
+                    la, lb = pair  # PEFT layout: lora_A [r, in], lora_B [out, r]
+                    r = la.shape[0]
+                    a[:, t_i * rank:t_i * rank + r] = la.T
+                    b[t_i * rank:t_i * rank + r, col:col + dims[t][1]] = lb.T * adapter.scaling
+                col += dims[t][1]
+            groups[g] = (a, b)
+        layers.append(groups)
+    return layers
+
+
+def write_slot(weights: Any, slot: jax.Array, blocks: Any) -> Any:
+    """`weights` with slot `slot` (a traced int: one program for every slot) replaced by `blocks` (`slot_blocks`, in the
+    same per-layer or stacked form as `weights`, cast to its dtype). Jitted with `weights` donated: in place."""
+
+    def put(w, block, axis):
+        start = [0] * w.ndim
+        start[axis] = slot * block.shape[axis]
+        return jax.lax.dynamic_update_slice(w, block.astype(w.dtype), start)
+
+    if isinstance(weights, (tuple, list)):
+        return tuple({g: (put(lw[g][0], lb[g][0], 1), put(lw[g][1], lb[g][1], 0)) for g in lw}
+                     for lw, lb in zip(weights, blocks, strict=True))
+    return {g: (put(weights[g][0], blocks[g][0], 2), put(weights[g][1], blocks[g][1], 1)) for g in weights}
+
+
+def stack_blocks(blocks: list[dict]) -> dict:
+    """Per-layer `slot_blocks` -> one [L, ...] stack per group (the stacked layout's form)."""
+    return {g: (np.stack([lb[g][0] for lb in blocks]), np.stack([lb[g][1] for lb in blocks])) for g in blocks[0]}
+
+
+def layer_weights(weights: Any, i) -> dict:
+    """Layer i's groups from either layout (i a Python int, or a traced index for a stack)."""
+    if isinstance(weights, (tuple, list)):
+        return weights[i]
+    return jax.tree.map(lambda a: a[i], weights)
+
+
+def slot_masks(lora: LoraInputs, dtype) -> dict[str, jax.Array]:
+    """Per group: the [N, S*n*R] row-to-slot mask that picks each row's own adapter columns (zero for slot -1)."""
+    masks = {}
+    slots = lora.token_slots.reshape(-1)
+    for g, targets in GROUPS.items():
+        width = len(targets) * lora.rank
+        owner = jnp.arange(lora.num_slots * width, dtype=jnp.int32) // width
+        masks[g] = (slots[:, None] == owner[None, :]).astype(dtype)
+    return masks
+
+
+def delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+    """The group's LoRA update for rows x [..., in]: ((x @ A) * mask) @ B, [..., out]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    shrunk = jnp.dot(x2, a, preferred_element_type=jnp.float32) * mask
+    out = jnp.dot(shrunk.astype(x.dtype), b, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype).reshape(*lead, b.shape[-1])
+
+
+def delta_reference(x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array, group: str,
+                    rank: int) -> jax.Array:
+    """The same update row by row: gather each row's own slot block of A and B (the oracle for `delta`)."""
+    width = len(GROUPS[group]) * rank
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    slots = token_slots.reshape(-1)
+
+    def one(row, slot):
+        s = jnp.maximum(slot, 0)
+        a_s = jax.lax.dynamic_slice_in_dim(a, s * width, width, axis=1).astype(jnp.float32)
+        b_s = jax.lax.dynamic_slice_in_dim(b, s * width, width, axis=0).astype(jnp.float32)
+        return jnp.where(slot >= 0, (row @ a_s) @ b_s, 0.0)
+
+    return jax.vmap(one)(x2, slots).reshape(*x.shape[:-1], b.shape[-1])

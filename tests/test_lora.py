@@ -1,0 +1,171 @@
+"""Multi-LoRA: adapters per request in one batch (models/lora.py, engine/loras.py, weights/peft.py).
+
+Reference: three random HF PEFT adapters on the tiny llama3 checkpoint, greedy tokens from PEFT (tests/fixtures/tiny/lora,
+made by tests/fixtures/make_lora_fixture.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, make_llm, shared_llm
+
+from jphoton import NoFreeLoraSlot, SamplingParams
+
+BASE = FIXTURES / "tiny" / "llama3"
+ADAPTERS = FIXTURES / "tiny" / "lora"
+NAMES = ("a", "b", "c")
+NEW = 24
+
+
+def _reference():
+    ref = np.load(ADAPTERS / "reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(4)]
+    tokens = {name: [ref[f"tokens_{name}_{i}"].tolist() for i in range(4)] for name in ("base", *NAMES)}
+    return prompts, tokens
+
+
+def _greedy(lora=None, n=NEW):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora=lora)
+
+
+@pytest.fixture(scope="module")
+def lora_llm():
+    with shared_llm(str(BASE), max_loras=3, max_lora_rank=16) as llm:
+        for name in NAMES:
+            llm.load_lora(name, ADAPTERS / name)
+        yield llm
+
+
+def test_the_slot_update_matches_a_per_row_gather():
+    import jax
+    import jax.numpy as jnp
+
+    from jphoton.models import lora
+
+    rng = np.random.default_rng(0)
+    S, R, D, O = 3, 4, 16, 24
+    for group, n in (("qkv", 3), ("o", 1)):
+        a = jnp.asarray(rng.standard_normal((D, S * n * R)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((S * n * R, O)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((7, D)), jnp.float32)
+        slots = jnp.asarray([0, -1, 2, 1, -1, 2, 0], jnp.int32)
+        inputs = lora.LoraInputs(None, slots, S, R)
+        got = lora.delta(x, a, b, lora.slot_masks(inputs, jnp.float32)[group])
+        want = jax.jit(lora.delta_reference, static_argnums=(4, 5))(x, a, b, slots, group, R)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+        assert not np.asarray(got)[1].any() and np.asarray(got)[0].any()  # no adapter: no update
+
+
+def test_greedy_tokens_equal_hf_peft_in_one_mixed_batch_and_alone(lora_llm):
+    prompts, ref = _reference()
+    for name in NAMES:  # each adapter changes the base model's output (else this test could not fail)
+        assert all(ref[name][i] != ref["base"][i] for i in range(4))
+    # every prompt with the base model and each adapter: 16 requests in the same batches
+    variants = [None, *NAMES]
+    outs = lora_llm.generate([{"prompt_token_ids": p} for _ in variants for p in prompts],
+                             [_greedy(v) for v in variants for _ in prompts])
+    got = [o.token_ids for o in outs]
+    for k, v in enumerate(variants):
+        assert got[4 * k:4 * k + 4] == ref[v or "base"], f"adapter {v}"
+    for name in NAMES:  # alone: one request in the engine
+        [alone] = lora_llm.generate({"prompt_token_ids": prompts[3]}, _greedy(name))
+        assert alone.token_ids == ref[name][3]
+
+
+def test_adapters_do_not_share_cached_prefixes(lora_llm):
+    prompts, ref = _reference()
+    prompt = {"prompt_token_ids": prompts[3]}  # 40 tokens: two full pages of 16
+    lora_llm.reset_prefix_cache()
+    assert lora_llm.generate(prompt, _greedy(None, 4))[0].token_ids == ref["base"][3][:4]
+    hits = lora_llm.stats()["prefix_hit_tokens"]
+    assert lora_llm.generate(prompt, _greedy("a", 4))[0].token_ids == ref["a"][3][:4]
+    assert lora_llm.stats()["prefix_hit_tokens"] == hits  # base KV never serves an adapter
+    assert lora_llm.generate(prompt, _greedy("a", 4))[0].token_ids == ref["a"][3][:4]
+    assert lora_llm.stats()["prefix_hit_tokens"] == hits + 32  # but the adapter's own pages do
+
+
+def test_unload_and_replace_while_serving_wait_for_the_requests_in_flight(lora_llm, tmp_path):
+    prompts, ref = _reference()
+    compiles = lora_llm.stats()["num_compiles"]
+    streams = [lora_llm.stream({"prompt_token_ids": prompts[i]}, _greedy(name)) for i, name in ((0, "a"), (1, "b"))]
+    firsts = [next(iter(s)) for s in streams]  # both running now
+    assert lora_llm.unload_lora("a") and not lora_llm.unload_lora("a")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        lora_llm.generate({"prompt_token_ids": prompts[0]}, _greedy("a"))
+    st = lora_llm.stats()
+    assert (st["lora_slots_loaded"], st["lora_slots_draining"], st["lora_slots_free"]) == (2, 1, 0)
+    # replace "b" (still in use) with "c"'s weights: the running "b" request finishes on the old ones; the load waits
+    # for a free slot (the draining one, released as the "a" request finishes)
+    copy = tmp_path / "c-copy"
+    shutil.copytree(ADAPTERS / "c", copy)
+    lora_llm.load_lora("b", copy)
+    rest = [[t for d in s for t in d.token_ids] for s in streams]
+    assert firsts[0].token_ids + rest[0] == ref["a"][0]
+    assert firsts[1].token_ids + rest[1] == ref["b"][1]
+    assert lora_llm.generate({"prompt_token_ids": prompts[2]}, _greedy("b"))[0].token_ids == ref["c"][2]
+    # put things back for the other tests
+    lora_llm.unload_lora("b")
+    lora_llm.load_lora("a", ADAPTERS / "a")
+    lora_llm.load_lora("b", ADAPTERS / "b")
+    st = lora_llm.stats()
+    assert (st["lora_slots_loaded"], st["lora_slots_draining"], st["lora_slots_free"]) == (3, 0, 0)
+    assert {e["name"]: e["running"] for e in lora_llm.list_loras()} == {"a": 0, "b": 0, "c": 0}
+    with pytest.raises(NoFreeLoraSlot, match="all 3 LoRA slots"):
+        lora_llm.load_lora("d", ADAPTERS / "a")
+    assert lora_llm.stats()["num_compiles"] == compiles  # loading, unloading and serving compiled nothing
+
+
+def test_an_aborted_request_gives_its_slot_reference_back(lora_llm):
+    prompts, _ = _reference()
+    with lora_llm.stream({"prompt_token_ids": prompts[1]}, _greedy("c")) as s:
+        next(iter(s))
+        assert {e["name"]: e["running"] for e in lora_llm.list_loras()}["c"] == 1
+    assert {e["name"]: e["running"] for e in lora_llm.list_loras()}["c"] == 0
+
+
+def _adapter_with(tmp_path, **changes):
+    out = tmp_path / "adapter"
+    shutil.copytree(ADAPTERS / "a", out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    config.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(use_dora=True), "DoRA is not supported"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
+    (dict(r=32), "rank 32 exceeds max_lora_rank=16"),
+    (dict(target_modules=["q_proj", "embed_tokens"]), "target modules \\['embed_tokens'\\] are not supported"),
+    (dict(peft_type="IA3"), "peft_type 'IA3' is not supported"),
+    (dict(r=4), "down_proj: lora_A \\(8, 128\\), lora_B \\(64, 8\\); expected \\(4, 128\\)"),
+])
+def test_adapters_that_are_not_plain_lora_of_this_model_are_refused(lora_llm, tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        lora_llm.load_lora("bad", _adapter_with(tmp_path, **changes))
+    assert "bad" not in {e["name"] for e in lora_llm.list_loras()}
+
+
+def test_bad_names_and_paths_are_clear_errors(lora_llm, tmp_path):
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        lora_llm.load_lora("x", tmp_path)
+    with pytest.raises(ValueError, match="not a directory"):
+        lora_llm.load_lora("x", tmp_path / "missing")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope' \\(loaded: 'a', 'b', 'c'\\)"):
+        lora_llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy("nope"))
+    with pytest.raises(ValueError, match="lora must be an adapter name"):
+        SamplingParams(lora="")
+
+
+def test_lora_off_and_unsupported_models_say_so():
+    llm = make_llm(str(BASE), warmup="off")
+    with pytest.raises(ValueError, match="LoRA is off"):
+        llm.load_lora("a", ADAPTERS / "a")
+    with pytest.raises(ValueError, match="LoRA is off"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy("a"))
+    assert llm.stats()["lora_slots_total"] == 0
+    with pytest.raises(ValueError, match="does not support LoRA"):
+        make_llm(str(FIXTURES / "tiny" / "qwen3_moe"), warmup="off", max_loras=1)
