@@ -247,22 +247,32 @@ class LLM:
         unloaded adapter still used by running requests), waits up to `timeout` seconds for it (the engine keeps
         serving); raises NoFreeLoraSlot otherwise, ValueError for an adapter that does not fit. Returns its entry in
         `list_loras()`."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a LoRA adapter name is a non-empty string, got {short(name)}")
-        if not self.engine.loras.slots:
-            raise ValueError("LoRA is off for this engine: create it with LLM(..., max_loras=N)")
-        adapter = load_peft_adapter(path, self.config, self.engine_config.max_lora_rank)
+        adapter = self.read_lora(path)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._engine_lock:
-                try:
-                    self.engine.load_lora(name, adapter)
-                    return next(e for e in self.engine.loras.listing() if e["name"] == name)
-                except NoFreeLoraSlot as e:
-                    if not e.draining or (deadline is not None and time.monotonic() > deadline):
-                        raise
+            try:
+                return self.install_lora(name, adapter)
+            except NoFreeLoraSlot as e:
+                if not e.draining or (deadline is not None and time.monotonic() > deadline):
+                    raise
             # a slot frees when its requests are released: run the engine meanwhile (or wait for its driver)
             self._run_until(lambda: not self.engine.has_work() or any(s.free for s in self.engine.loras.slots))
+
+    def read_lora(self, path: str | os.PathLike):
+        """Read and check a PEFT adapter for this model (no engine state touched; safe from any thread). ValueError
+        names what does not fit; LoRA must be on (`max_loras`)."""
+        if not self.engine.loras.slots:
+            raise ValueError("LoRA is off for this engine: create it with LLM(..., max_loras=N)")
+        return load_peft_adapter(path, self.config, self.engine_config.max_lora_rank)
+
+    def install_lora(self, name: str, adapter) -> dict:
+        """Put an adapter from `read_lora` into a free slot as `name`, now (never waits): NoFreeLoraSlot if none is
+        free. Returns its entry in `list_loras()`."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRA adapter name is a non-empty string, got {short(name)}")
+        with self._engine_lock:
+            self.engine.load_lora(name, adapter)
+            return next(e for e in self.engine.loras.listing() if e["name"] == name)
 
     def unload_lora(self, name: str) -> bool:
         """Stop serving adapter `name`: new requests naming it are refused at once; requests already running finish on

@@ -10,9 +10,10 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, make_llm, shared_llm
 
 from jphoton import NoFreeLoraSlot, SamplingParams
+
+from conftest import FIXTURES, make_llm, shared_llm
 
 BASE = FIXTURES / "tiny" / "llama3"
 ADAPTERS = FIXTURES / "tiny" / "lora"
