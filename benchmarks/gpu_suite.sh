@@ -7,7 +7,7 @@
 # finishes; all of them in one device call). One-off probes and tuning sweeps live in lab/ (lab/lab_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECTIONS="startup startup-ready-1b throughput sampling prefix-cache pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
+SECTIONS="startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
   host-overhead"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
@@ -48,6 +48,9 @@ for section in "$@"; do
     prefix-cache)  # 32 requests sharing a 2,048-token system prompt, cache on vs off; unique prompts' decode on vs off
       run "$section" python3 benchmarks/prefix_cache.py --model random:llama3.2-1b --requests 32 --system-len 2048 \
         --unique-len 64 --batch 32 --out "$OUT/prefix_cache.json" ;;
+    lora)  # B=32 decode steps and a served batch with 24 rows on 4 rank-16 adapters vs an engine without LoRA
+      run lora python3 benchmarks/lora.py --model random:llama3.2-1b --adapters 4 --rank 16 --batch 32 \
+        --out "$OUT/lora.json" ;;
     # blocking vs pipelined, cost model, timeline PNG; one section per model (a cold machine compiles the unrolled
     # steps at ~40 s per shape, so both models in one section would overrun the 8 minutes)
     pipeline-llama1b|pipeline-smollm2)

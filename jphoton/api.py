@@ -296,17 +296,20 @@ class LLM:
         they are, False if `timeout` seconds pass first. After it, no request compiles anything."""
         return self.warmup.wait(timeout)
 
-    def device_step_ms(self, rows: int, *, context: int = 0, steps: int = 30, sampler: str | None = None) -> float:
+    def device_step_ms(self, rows: int, *, context: int = 0, steps: int = 30, sampler: str | None = None,
+                       lora_rows: int = 0) -> float:
         """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the
         device's own step time, which the pipelined loop should match. Each row attends over `context` tokens (0:
-        padding rows); sampler="masked" adds the grammar sampler after each step. Needs an idle engine (it overwrites
+        padding rows); sampler="masked" adds the grammar sampler after each step; lora_rows: that many rows use LoRA
+        slots 0, 1, ... in turn (the step's LoRA variant; needs max_loras). Needs an idle engine (it overwrites
         KV pages, so the prefix cache is emptied first); compiles the shape if warm-up did not."""
         if sampler not in (None, "masked"):
             raise ValueError(f"sampler must be None or 'masked', got {sampler!r}")
         if self.has_unfinished_requests():
             raise RuntimeError("device_step_ms needs an idle engine: requests are still live")
         self.reset_prefix_cache()  # the timed steps write over pages, cached prefixes' included
-        return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked")
+        return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked",
+                                                          lora_rows=lora_rows)
 
     # ---- the engine loop for generate/stream (synchronous: runs in the caller's thread) ------------------------------
     def _stream(self, seq: Sequence) -> Iterator[Delta]:

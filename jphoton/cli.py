@@ -67,6 +67,37 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _lora_flag(text: str) -> tuple[str, str]:
+    """--lora NAME=PATH -> (name, path); the path must be a directory (checked before the model loads)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    if not pathlib.Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"{path!r} is not a directory (a HF PEFT adapter: adapter_config.json + "
+                                         "adapter_model.safetensors)")
+    return name, path
+
+
+def _add_lora_args(p: argparse.ArgumentParser, serve: bool) -> None:
+    p.add_argument("--lora", action="append", type=_lora_flag, default=[], metavar="NAME=PATH",
+                   help="load this HF PEFT LoRA adapter as NAME" + (" (repeat for several; requests pick one by name, "
+                        "LoadLora adds more)" if serve else "; the prompt runs with it"))
+    if serve:
+        p.add_argument("--max-loras", type=_int_in(0), default=None,
+                       help="LoRA adapter slots (default: the number of --lora flags; 0 = LoRA off)")
+    p.add_argument("--max-lora-rank", type=_int_in(1), default=16, help="largest adapter rank the slots hold")
+
+
+def build_llm(model, loras: tuple[tuple[str, str], ...] = (), **options):
+    """LLM(model, **options) with the `--lora` adapters loaded (module level: the server's engine process pickles it)."""
+    from jphoton.api import LLM
+
+    llm = LLM(model, **options)
+    for name, path in loras:
+        llm.load_lora(name, path)
+    return llm
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF dir, .gguf file, jphoton store, random:NAME or embedded (default: the embedded "
@@ -100,16 +131,19 @@ def _read(path: str, flag: str) -> str:
 
 
 def _cmd_generate(args) -> int:
-    from jphoton.api import LLM
     from jphoton.params import SamplingParams
 
+    if len(args.lora) > 1:
+        raise ValueError("generate takes one --lora (the prompt runs with it)")
+    lora = args.lora[0][0] if args.lora else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
-                            **_constraint(args))  # bad values fail here, before the model loads
+                            lora=lora, **_constraint(args))  # bad values fail here, before the model loads
     # One request: the default engine, each shape compiled when the request first needs it (one prefill shape per
     # chunk size, one decode shape) rather than a warm-up of shapes it would never use.
-    llm = LLM(args.model, dtype=args.dtype, progress=True, warmup="off", pipeline_depth=args.pipeline_depth,
-              moe_backend=args.moe_backend)
+    lora_options = dict(max_loras=1, max_lora_rank=args.max_lora_rank) if lora else {}
+    llm = build_llm(args.model, tuple(args.lora), dtype=args.dtype, progress=True, warmup="off",
+                    pipeline_depth=args.pipeline_depth, moe_backend=args.moe_backend, **lora_options)
     if llm.tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
     if args.raw:
@@ -160,16 +194,19 @@ def _cmd_serve(args) -> int:
     import asyncio
     import functools
 
-    from jphoton.api import LLM
     from server.app import LOADER_THREAD, run_until_signal
     from server.engine_process import Spawn
 
     # The default warm-up: health turns SERVING once a first request's shapes are compiled; the rest compile in the
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
     limits = {name: getattr(args, name) for name in _LIMIT_FLAGS}
-    build = functools.partial(LLM, args.model, dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              prefix_caching=args.prefix_caching, **limits)
+    max_loras = len(args.lora) if args.max_loras is None else args.max_loras
+    if len(args.lora) > max_loras:
+        raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {max_loras}")
+    build = functools.partial(build_llm, args.model, tuple(args.lora), dtype=args.dtype,
+                              pipeline_depth=args.pipeline_depth, max_num_seqs=args.max_num_seqs,
+                              max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
+                              max_loras=max_loras, max_lora_rank=args.max_lora_rank, **limits)
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
@@ -216,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
     g.add_argument("--moe-backend", default="auto", choices=("auto", "warp_decode", "expert_centric"),
                    help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")
+    _add_lora_args(g, serve=False)
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading",
@@ -241,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
     s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
+    _add_lora_args(s, serve=True)
     limits = Limits()
     for name, help_text in _LIMIT_FLAGS.items():  # per request, checked at submission (EngineConfig.limits)
         s.add_argument("--" + name.replace("_", "-"), type=_int_in(1),

@@ -61,6 +61,15 @@ def test_prefix_cache(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["summary"]["prefill_speedup"] > 0
 
 
+def test_lora(tmp_path):
+    from benchmarks.lora import main
+
+    summary = main(["--model", TINY, "--adapters", "2", "--rank", "4", "--batch", "4", "--context", "32", "--steps",
+                    "2", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--out", str(tmp_path / "l.json")])
+    assert summary["compiles_while_timed"] == 0 and summary["lora_rows"] == 3
+    assert json.loads((tmp_path / "l.json").read_text())["summary"]["step_mixed_over_off"] > 0
+
+
 def test_pipeline(tmp_path):
     from benchmarks.pipeline import main
 

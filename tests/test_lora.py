@@ -170,3 +170,20 @@ def test_lora_off_and_unsupported_models_say_so():
     assert llm.stats()["lora_slots_total"] == 0
     with pytest.raises(ValueError, match="does not support LoRA"):
         make_llm(str(FIXTURES / "tiny" / "qwen3_moe"), warmup="off", max_loras=1)
+
+
+def test_cli_generate_with_an_adapter_prints_what_the_api_returns(lora_llm, capsys):
+    from jphoton.cli import main
+
+    argv = ["generate", "the lazy dog", "--raw", "--model", str(BASE), "--dtype", "float32", "--temperature", "0",
+            "--max-tokens", "6"]
+    assert main([*argv, "--lora", f"a={ADAPTERS / 'a'}"]) == 0
+    printed = capsys.readouterr().out
+    [want] = lora_llm.generate("the lazy dog", SamplingParams(max_tokens=6, temperature=0, lora="a"))
+    [base] = lora_llm.generate("the lazy dog", SamplingParams(max_tokens=6, temperature=0))
+    assert printed == want.text + "\n" and want.token_ids != base.token_ids
+    with pytest.raises(SystemExit):
+        main([*argv, "--lora", "a=/no/such/adapter"])
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["serve", "--model", str(BASE), "--max-loras", "0", "--lora", f"a={ADAPTERS / 'a'}"]) == 2
+    assert "1 --lora adapters but --max-loras 0" in capsys.readouterr().err
