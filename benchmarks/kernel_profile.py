@@ -84,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", type=int, default=60, help="kernels of one step printed in order")
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
+    ap.add_argument("--lora-rows", type=int, default=0,
+                    help="rows on LoRA slots (the LoRA variant; pass max_loras / max_lora_rank in --llm-args)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -105,11 +107,12 @@ def main(argv=None):
               **extra)
     rows = []
     for d in args.rows:
-        llm.device_step_ms(d, context=args.ctx, steps=3)  # compile + warm
-        ms = llm.device_step_ms(d, context=args.ctx, steps=args.steps)
+        lora = min(args.lora_rows, d)
+        llm.device_step_ms(d, context=args.ctx, steps=3, lora_rows=lora)  # compile + warm
+        ms = llm.device_step_ms(d, context=args.ctx, steps=args.steps, lora_rows=lora)
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
-            llm.device_step_ms(d, context=args.ctx, steps=args.steps)
+            llm.device_step_ms(d, context=args.ctx, steps=args.steps, lora_rows=lora)
             jax.profiler.stop_trace()
             totals, lines, events = device_events(tmp)
         row = dict(decode_rows=d, context=args.ctx, ms_per_step=ms)
