@@ -40,24 +40,31 @@ def lora_llm():
         yield llm
 
 
-def test_the_slot_update_matches_a_per_row_gather():
+@pytest.mark.parametrize("hook", ["xla", "pallas"])
+def test_the_slot_update_matches_a_per_row_gather(hook):
+    """The update of every slot at once (XLA: two GEMMs and a mask; "pallas": the GEMV's split-K partials into
+    pallas_kernels/lora_expand.py, interpret mode here) against each row's own slot gathered row by row."""
     import jax
     import jax.numpy as jnp
 
     from jphoton.models import lora
+    from jphoton.models.matmul import PlainMatmul, XlaMatmul
 
+    mm = PlainMatmul() if hook == "xla" else XlaMatmul(glu_gemv=True, interpret=True)
     rng = np.random.default_rng(0)
-    S, R, D, O = 3, 4, 16, 24
-    for group, n in (("qkv", 3), ("o", 1)):
+    S, R, D, O = 3, 4, 160, 72  # sizes off the kernels' power-of-two tiles
+    for group in ("qkv", "o"):
+        n = len(lora.GROUPS[group])
         a = jnp.asarray(rng.standard_normal((D, S * n * R)), jnp.float32)
         b = jnp.asarray(rng.standard_normal((S * n * R, O)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((7, D)), jnp.float32)
+        y = jnp.asarray(rng.standard_normal((7, O)), jnp.float32)
         slots = jnp.asarray([0, -1, 2, 1, -1, 2, 0], jnp.int32)
-        inputs = lora.LoraInputs(None, slots, S, R)
-        got = lora.delta(x, a, b, lora.slot_masks(inputs, jnp.float32)[group])
-        want = jax.jit(lora.delta_reference, static_argnums=(4, 5))(x, a, b, slots, group, R)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-        assert not np.asarray(got)[1].any() and np.asarray(got)[0].any()  # no adapter: no update
+        got = mm.lora_add(y, x, a, b, slots, lora.group_width(group, R))
+        want = y + jax.jit(lora.delta_reference, static_argnums=(4, 5))(x, a, b, slots, group, R)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(np.asarray(got)[[1, 4]], np.asarray(y)[[1, 4]])  # no adapter: no update
+        assert not np.allclose(np.asarray(got)[0], np.asarray(y)[0])
 
 
 def test_greedy_tokens_equal_hf_peft_in_one_mixed_batch_and_alone(lora_llm):

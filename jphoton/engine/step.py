@@ -149,7 +149,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     if lora:
         token_lora = jnp.concatenate([f["d_lora"], jnp.repeat(f["p_lora"], Tp)])
         hidden, kv = forward(params, tokens, positions, kv, attend,
-                             lora=LoraInputs(lora_weights, token_lora, static.lora_slots, static.lora_rank))
+                             lora=LoraInputs(lora_weights, token_lora, static.lora_rank))
     else:
         hidden, kv = forward(params, tokens, positions, kv, attend)
     if Bp:  # each row's last token: a prefill row's sits at its own length

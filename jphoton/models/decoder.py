@@ -26,10 +26,11 @@ def _split_last(x: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
 
 
 def attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-                          proj: Callable[[jax.Array, str], jax.Array] | None = None, delta: jax.Array | None = None):
+                          proj: Callable[[jax.Array, str], jax.Array] | None = None,
+                          update: Callable[[jax.Array], jax.Array] | None = None):
     """q, k, v with RoPE (and qk-norm) applied, from the normed rows h and one layer's params `lp` (separate wq / wk /
-    wv or the serving layout's fused wqkv). proj(h, key) is the weight matmul (default h @ lp[key]). delta: a LoRA
-    update [..., q_size + 2 * kv_size] added to the q|k|v products (models/lora.py)."""
+    wv or the serving layout's fused wqkv). proj(h, key) is the weight matmul (default h @ lp[key]). update: applied to
+    the q|k|v products [..., q_size + 2 * kv_size] before the split (a LoRA update, models/lora.py)."""
     lead = h.shape[:-1]
     if proj is None:
         def proj(h, key):
@@ -38,16 +39,15 @@ def attention_projections(cfg: ModelConfig, lp: Params, h: jax.Array, positions:
         qkv = proj(h, "wqkv")
         if cfg.qkv_bias:
             qkv = qkv + lp["bqkv"]
-        if delta is not None:
-            qkv = qkv + delta
+        if update is not None:
+            qkv = update(qkv)
         q, k, v = _split_last(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size))
     else:
         q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
         if cfg.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        if delta is not None:
-            dq, dk, dv = _split_last(delta, (cfg.q_size, cfg.kv_size, cfg.kv_size))
-            q, k, v = q + dq, k + dk, v + dv
+        if update is not None:
+            q, k, v = _split_last(update(jnp.concatenate([q, k, v], axis=-1)), (cfg.q_size, cfg.kv_size, cfg.kv_size))
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)

@@ -195,7 +195,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         first_norm = layers["attn_norm"][0]
     x = params["embed"][tokens]
     h = rms_norm(x, first_norm, eps)
-    masks = lora_lib.slot_masks(lora, x.dtype) if lora is not None else None
 
     def layer(carry, lp, norm_after, stacks, index, kv_layer, lw=None):
         """One decoder layer. lp: this layer's matrices (what an XLA dot should read); stacks[key][index]: the same
@@ -208,22 +207,22 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         def proj(v, key):
             return mm(v, lp[key], stacks[key], index)
 
-        def lora_delta(v, group):
-            return lora_lib.delta(v, *lw[group], masks[group])
+        def lora_add(y, v, group):  # y + v's LoRA update (each row its own adapter)
+            return mm.lora_add(y, v, *lw[group], lora.token_slots, lora_lib.group_width(group, lora.rank))
 
-        dqkv = lora_delta(h, "qkv") if lw is not None else None
-        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, delta=dqkv)
+        update = (lambda qkv: lora_add(qkv, h, "qkv")) if lw is not None else None
+        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, update=update)
         o, kv = attend(q, k, v, kv, kv_layer)
         o = o.reshape(*x.shape[:-1], cfg.q_size)
         if lw is not None:
-            x = x + lora_delta(o, "o")
+            x = lora_add(x, o, "o")
         x, h = mm.residual(x, o, lp["wo"], stacks["wo"], index, lp["mlp_norm"],
                            stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
         if lw is not None:
             gate_up = proj(h, "w_gate_up") if "w_gate_up" in lp else jnp.concatenate(
                 [proj(h, "w_gate"), proj(h, "w_up")], axis=-1)
-            act = swiglu_of(gate_up + lora_delta(h, "gate_up"))
-            x = x + lora_delta(act, "down")
+            act = swiglu_of(lora_add(gate_up, h, "gate_up"))
+            x = lora_add(x, act, "down")
         elif "w_gate_up" in lp:
             act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index)
         else:

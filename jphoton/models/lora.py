@@ -63,7 +63,6 @@ class LoraInputs(NamedTuple):
 
     weights: Any
     token_slots: jax.Array
-    num_slots: int
     rank: int
 
 
@@ -129,15 +128,16 @@ def layer_weights(weights: Any, i) -> dict:
     return jax.tree.map(lambda a: a[i], weights)
 
 
-def slot_masks(lora: LoraInputs, dtype) -> dict[str, jax.Array]:
-    """Per group: the [N, S*n*R] row-to-slot mask that picks each row's own adapter columns (zero for slot -1)."""
-    masks = {}
-    slots = lora.token_slots.reshape(-1)
-    for g, targets in GROUPS.items():
-        width = len(targets) * lora.rank
-        owner = jnp.arange(lora.num_slots * width, dtype=jnp.int32) // width
-        masks[g] = (slots[:, None] == owner[None, :]).astype(dtype)
-    return masks
+def slot_mask(token_slots: jax.Array, columns: int, width: int, dtype) -> jax.Array:
+    """The [N, columns] row-to-slot mask that keeps each row's own adapter columns (column c belongs to slot
+    c // width; slot -1, no adapter, keeps none)."""
+    owner = jnp.arange(columns, dtype=jnp.int32) // width
+    return (token_slots.reshape(-1)[:, None] == owner[None, :]).astype(dtype)
+
+
+def group_width(group: str, rank: int) -> int:
+    """Columns of one slot in a group's A."""
+    return len(GROUPS[group]) * rank
 
 
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
@@ -145,8 +145,8 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Arra
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     shrunk = jnp.dot(x2, a, preferred_element_type=jnp.float32) * mask
-    out = jnp.dot(shrunk.astype(x.dtype), b, preferred_element_type=jnp.float32)
-    return out.astype(x.dtype).reshape(*lead, b.shape[-1])
+    out = jnp.dot(shrunk.astype(x.dtype), b, preferred_element_type=jnp.float32).astype(x.dtype)
+    return out.reshape(*lead, b.shape[-1])
 
 
 def delta_reference(x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array, group: str,

@@ -118,6 +118,15 @@ class PlainMatmul:
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
 
+    def lora_add(self, y: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array,
+                 width: int) -> jax.Array:
+        """y + each row's LoRA update of x: ((x @ a) * onehot) @ b, a [K, C] / b [C, N] holding every slot's columns
+        (`width` columns a slot; models/lora.py)."""
+        from jphoton.models import lora
+
+        mask = lora.slot_mask(token_slots, a.shape[-1], width, jnp.float32)
+        return y + lora.delta(x, a, b, mask).reshape(y.shape)
+
 
 class XlaMatmul(PlainMatmul):
     """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
@@ -153,6 +162,22 @@ class XlaMatmul(PlainMatmul):
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
             return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
         return super().glu(x, w, stacked, layer)
+
+    def lora_add(self, y, x, a, b, token_slots, width):
+        """At <= PALLAS_MAX_ROWS tokens ("fused"): the shrink as a GEMV writing split-K partials, and one kernel that
+        sums them, masks each row's slot, multiplies by b and adds into y (pallas_kernels/lora_expand.py): 2 kernels,
+        where XLA ran 5 (shrink, split-K sum, mask, expand, add)."""
+        if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
+            from pallas_kernels.gemv import GemvConfig, gemv
+            from pallas_kernels.lora_expand import lora_expand
+
+            K = x.shape[-1]
+            parts = gemv(x.reshape(-1, K), a, partials=True, interpret=self.interpret,
+                         config=GemvConfig(block_n=64, block_k=128, split=max(1, min(16, K // 256))))
+            out = lora_expand(y.reshape(-1, y.shape[-1]), parts, b, token_slots.reshape(-1), width,
+                              interpret=self.interpret)
+            return out.reshape(y.shape)
+        return super().lora_add(y, x, a, b, token_slots, width)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
         if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
