@@ -207,8 +207,8 @@ class AsyncLLM:
             else:
                 try:
                     self.llm.add_request(seq)
-                except ValueError as e:
-                    self._deliver(seq.output(seq.finish("error", str(e))))
+                except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
+                    self._reject(rid, str(e))
 
     def _drain_commands(self) -> None:
         while True:

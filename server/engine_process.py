@@ -7,10 +7,16 @@ the H100 the served decode ran at 0.31-0.41x of the engine alone (RESULTS.md, "S
 engine loop runs as it does under `LLM.generate`, and the server process spends all of its own time on gRPC.
 
 Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params),
-("abort", id), ("stats", nonce), ("shutdown",). Up: one list of events per engine tick, however many requests it
-served: ("out", id, token_ids, text, finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id,
-message) for a request the engine refused (ValueError: bad input; nothing was queued), ("stats", nonce, dict). The
-server assigns request ids itself, so submitting never waits for the child.
+("abort", id), ("stats", nonce), ("lora_load", nonce, name, path), ("lora_unload", nonce, name), ("lora_list", nonce),
+("shutdown",). Up: one list of events per engine tick, however many requests it served: ("out", id, token_ids, text,
+finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id, message) for a request the engine
+refused (ValueError: bad input, e.g. an adapter unloaded since the request was checked; nothing was queued), ("stats",
+nonce, dict), ("lora", nonce, ok, result or (kind, message)). The server assigns request ids itself, so submitting
+never waits for the child.
+
+LoRA loads never stall the loop: the adapter is read and checked on a thread (`LLM.read_lora`), then installed between
+ticks (`LLM.install_lora`, which never waits). If every slot is taken and one is draining, the load stays pending and is
+retried each tick, the engine serving meanwhile, until the slot frees or LORA_WAIT_S pass.
 
 Detokenization and stop strings stay with the sequence in the engine process (as under `LLM.generate`): the text that
 streams is the text the engine stops on.
@@ -35,12 +41,14 @@ from collections.abc import Callable
 from typing import Any
 
 from jphoton.async_llm import ChatPrompt, Preparer, Rejected, model_info, prepare, tokenize_long_prompts_apart
+from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
 
 log = logging.getLogger("jphoton.server")
 
 _STATS_EVERY_S = 0.25  # the child pushes a stats snapshot this often while busy (metrics scrapes read it)
+LORA_WAIT_S = 60.0  # a LoRA load waits this long for a draining slot (as LLM.load_lora's default timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,29 @@ class Spawn:
 
 class EngineDied(RuntimeError):
     pass
+
+
+class LoraError(Exception):
+    """A LoRA command that failed. kind: "invalid" (bad name, path or adapter), "no_slot" (every slot is taken),
+    "off" (the engine has no LoRA slots), "unavailable" (the engine is stopping), "internal" (a bug)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def lora_error(llm, e: BaseException) -> LoraError:
+    """What a LoRA call on `llm` raised, as a LoraError (the same kinds in the engine process and in-process)."""
+    if isinstance(e, LoraError):
+        return e
+    if not llm.stats().get("lora_slots_total", 0):
+        return LoraError("off", str(e))
+    if isinstance(e, NoFreeLoraSlot):
+        return LoraError("no_slot", str(e))
+    if isinstance(e, (ValueError, OSError)):
+        return LoraError("invalid", str(e))
+    log.error("LoRA command failed", exc_info=e)
+    return LoraError("internal", f"{type(e).__name__}: {e}")
 
 
 class EngineProcess:
@@ -76,6 +107,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self._sinks: dict[int, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._lora_waiters: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
         self._closing = False
@@ -172,10 +204,34 @@ class EngineProcess:
         finally:
             self._stats_waiters.pop(nonce, None)
 
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Load a LoRA adapter in the child (LLM.read_lora + install_lora, waiting for a draining slot up to
+        LORA_WAIT_S); its list_loras() entry. Raises LoraError."""
+        return await self._lora_command("lora_load", name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        return await self._lora_command("lora_unload", name)
+
+    async def list_loras(self) -> list[dict]:
+        return await self._lora_command("lora_list")
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._sinks)
 
     # ---- internals ---------------------------------------------------------------------------------------------------
+    async def _lora_command(self, kind: str, *args):
+        """Send a LoRA command and wait for its answer (no timeout: the child always answers, and a death fails it)."""
+        if self._error is not None:
+            raise EngineDied(f"the engine process is gone: {self._error}")
+        nonce = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_waiters[nonce] = fut
+        try:
+            self._send((kind, nonce, *args))
+            return await fut
+        finally:
+            self._lora_waiters.pop(nonce, None)
+
     def _send(self, command: tuple) -> None:
         """Queue a command for the child (in order; the writer thread pickles and writes it)."""
         if self._error is not None:
@@ -231,6 +287,11 @@ class EngineProcess:
                 fut = self._stats_waiters.get(ev[1])
                 if fut is not None and not fut.done():
                     fut.set_result(ev[2])
+            elif kind == "lora":
+                _, nonce, ok, result = ev
+                fut = self._lora_waiters.get(nonce)
+                if fut is not None and not fut.done():
+                    fut.set_result(result) if ok else fut.set_exception(LoraError(*result))
             elif kind == "fatal":
                 self._died(ev[1])
 
@@ -242,6 +303,9 @@ class EngineProcess:
         for sink in self._sinks.values():
             sink.put_nowait(None)  # the servicer answers INTERNAL
         self._sinks.clear()
+        for fut in self._lora_waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineDied(f"the engine process is gone: {why}"))
         if self.on_death is not None and not self._closing:
             self.on_death(why)
 
@@ -300,6 +364,11 @@ class _EngineLoop:
         self.stats_at = 0.0
         # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
         self.preparer = Preparer()
+        # LoRA loads: adapters are read on threads (lora_reading: nonces), installed between ticks (lora_pending:
+        # [nonce, name, adapter, deadline once a draining slot was found]).
+        self.lora_read: queue.SimpleQueue = queue.SimpleQueue()
+        self.lora_reading: set[int] = set()
+        self.lora_pending: list[list] = []
         tokenize_long_prompts_apart(llm)
 
     def run(self) -> None:
@@ -308,9 +377,12 @@ class _EngineLoop:
             busy = llm.has_unfinished_requests()
             # Block on the pipe only when there is nothing to step (the first command wakes us); while requests are
             # being prepared, look back soon.
-            if self.commands.poll(0 if busy else 0.005 if self.preparer.pending() else 0.5):
+            waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
+            if self.commands.poll(0 if busy else 0.005 if waiting else 0.5):
                 self._drain()
             self._add_prepared()
+            if self.lora_reading or self.lora_pending:
+                self._install_loras()
             if llm.has_unfinished_requests():
                 for o in llm.step():
                     self._output(o)
@@ -325,6 +397,10 @@ class _EngineLoop:
                 self.out = []
             if self.stopping and not llm.has_unfinished_requests() and not self.preparer.pending():
                 self.preparer.shutdown()
+                for nonce in [*self.lora_reading, *(p[0] for p in self.lora_pending)]:
+                    self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+                if self.out:
+                    self.events.send_bytes(pickle.dumps(self.out, protocol=pickle.HIGHEST_PROTOCOL))
                 return
 
     def _drain(self) -> None:
@@ -350,6 +426,12 @@ class _EngineLoop:
                         self._output(o)
             elif kind == "stats":
                 self.out.append(("stats", cmd[1], llm.stats()))
+            elif kind == "lora_load":
+                self._read_lora(*cmd[1:])
+            elif kind == "lora_unload":
+                self._lora_answer(cmd[1], True, llm.unload_lora(cmd[2]))
+            elif kind == "lora_list":
+                self._lora_answer(cmd[1], True, llm.list_loras())
             elif kind == "shutdown":
                 self._abort_all()
                 self.stopping = True
@@ -361,11 +443,71 @@ class _EngineLoop:
             elif cancelled or self.stopping:
                 self._output(seq.output(seq.finish("abort")), rid)
             else:
-                self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
                 try:
                     self.llm.add_request(seq)
-                except ValueError as e:
-                    self._output(seq.output(seq.finish("error", str(e))))
+                except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
+                    self.out.append(("reject", rid, str(e)))
+                else:
+                    self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
+
+    def _read_lora(self, nonce: int, name: str, path: str) -> None:
+        if self.stopping:
+            self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+            return
+
+        def read() -> None:
+            try:
+                result = self.llm.read_lora(path)
+            except BaseException as e:  # noqa: BLE001 - answered as this load's error (lora_error sorts it)
+                result = e
+            self.lora_read.put((nonce, name, result))
+
+        self.lora_reading.add(nonce)
+        threading.Thread(target=read, name="jphoton-lora-read", daemon=True).start()
+
+    def _install_loras(self) -> None:
+        """Install the adapters read so far, in the order they were read; those that find every slot taken and one
+        draining stay pending (retried next tick) until LORA_WAIT_S pass."""
+        while True:
+            try:
+                nonce, name, adapter = self.lora_read.get_nowait()
+            except queue.Empty:
+                break
+            self.lora_reading.discard(nonce)
+            if isinstance(adapter, BaseException):
+                self._lora_failed(nonce, adapter)
+            else:
+                self.lora_pending.append([nonce, name, adapter, None])
+        pending, self.lora_pending = self.lora_pending, []
+        for load in pending:
+            nonce, name, adapter, deadline = load
+            try:
+                info = self.llm.install_lora(name, adapter)
+            except NoFreeLoraSlot as e:
+                now = time.monotonic()
+                if self.stopping:
+                    self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+                    continue
+                if e.draining:
+                    if deadline is None:
+                        load[3] = deadline = now + LORA_WAIT_S
+                    if now < deadline:
+                        self.lora_pending.append(load)
+                        continue
+                    e = NoFreeLoraSlot(f"{e}; no slot freed in {LORA_WAIT_S:.0f} s", draining=True)
+                self._lora_failed(nonce, e)
+            except Exception as e:  # noqa: BLE001 - a failed load fails that load only
+                self._lora_failed(nonce, e)
+            else:
+                self._lora_answer(nonce, True, info)
+
+    def _lora_failed(self, nonce: int, e: BaseException) -> None:
+        err = lora_error(self.llm, e)
+        self._lora_answer(nonce, False, (err.kind, str(err)))
+
+    def _lora_answer(self, nonce: int, ok: bool, result) -> None:
+        self.out.append(("lora", nonce, ok, result))
+        self.out.append(("stats", -1, self.llm.stats()))  # slot use changed: metrics see it now, not at the next tick
 
     def _abort_all(self) -> None:
         for eid in list(self.front_id):

@@ -83,6 +83,11 @@ class _EngineCollector:
             "jphoton_step_shapes_compiled": ("Step shapes compiled (the rest compile in the background while serving)",
                                              s["shapes_compiled"]),
             "jphoton_step_shapes_total": ("Step shapes the engine uses once all are compiled", s["shapes_total"]),
+            "jphoton_lora_slots_total": ("LoRA adapter slots (0: LoRA off)", s.get("lora_slots_total", 0)),
+            "jphoton_lora_slots_loaded": ("LoRA slots serving a loaded adapter", s.get("lora_slots_loaded", 0)),
+            "jphoton_lora_slots_draining": ("LoRA slots of unloaded or replaced adapters still used by running requests",
+                                            s.get("lora_slots_draining", 0)),
+            "jphoton_lora_slots_free": ("LoRA slots a load may use now", s.get("lora_slots_free", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))

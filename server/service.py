@@ -3,9 +3,12 @@ every failure -> the gRPC status a client can act on.
 
 Status codes (the contract, also in README.md):
   INVALID_ARGUMENT    bad input of any kind (what LLM/SamplingParams reject with ValueError, no input, chat with token
-                      ids, two constraints, undecodable bytes); nothing is queued
+                      ids, two constraints, undecodable bytes, a LoRA adapter that is not loaded); nothing is queued.
+                      LoadLora: a bad name, path or adapter
   ALREADY_EXISTS      request_id names a request that is still live
-  RESOURCE_EXHAUSTED  the server already holds --max-queue unfinished requests
+  RESOURCE_EXHAUSTED  the server already holds --max-queue unfinished requests; LoadLora: every LoRA slot is taken
+                      (and none drained within 60 s)
+  FAILED_PRECONDITION LoadLora on a server without LoRA slots
   UNAVAILABLE         the model is still loading, or the server is shutting down
   ABORTED             the request failed mid-flight (e.g. its grammar matcher rejected a token): the tokens produced so
                       far are sent first, then the last message with finish_reason "error", then this status
@@ -27,7 +30,7 @@ from google.protobuf.message import DecodeError
 from jphoton.async_llm import AsyncLLM
 from jphoton.params import SamplingParams, text_size_error
 from server import jphoton_pb2 as pb
-from server.engine_process import EngineProcess, Rejected
+from server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
 from server.metrics import Metrics
 
 log = logging.getLogger("jphoton.server")
@@ -35,6 +38,8 @@ log = logging.getLogger("jphoton.server")
 SERVICE_NAME = "jphoton.v1.Engine"
 MAX_STATUS_CHARS = 1000  # longest status message sent (an error never echoes a whole request back)
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")  # proto3 `optional`: unset = the default
+_LORA_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "no_slot": grpc.StatusCode.RESOURCE_EXHAUSTED,
+               "off": grpc.StatusCode.FAILED_PRECONDITION, "unavailable": grpc.StatusCode.UNAVAILABLE}
 
 
 class Admission:
@@ -95,7 +100,7 @@ class EngineServicer:
         engine = await self._ready(context)
         try:
             prompt = self._prompt(request)
-            params = sampling_params(request.sampling)
+            params = sampling_params(request.sampling, request.lora)
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or self._new_id()
@@ -141,9 +146,47 @@ class EngineServicer:
                         shapes_compiled=s["shapes_compiled"], shapes_total=s["shapes_total"],
                         all_shapes_ready=s["all_shapes_ready"], kv_pages_evictable=s.get("kv_pages_evictable", 0),
                         prefix_hit_tokens=s.get("prefix_hit_tokens", 0),
-                        prefix_query_tokens=s.get("prefix_query_tokens", 0))
+                        prefix_query_tokens=s.get("prefix_query_tokens", 0),
+                        lora_slots_total=s.get("lora_slots_total", 0), lora_slots_loaded=s.get("lora_slots_loaded", 0),
+                        lora_slots_draining=s.get("lora_slots_draining", 0),
+                        lora_slots_free=s.get("lora_slots_free", 0))
+
+    async def LoadLora(self, request, context):
+        if isinstance(request, BadRequest):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        if not request.name or not request.path:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "LoadLora needs a name and the path of a HF PEFT adapter directory")
+        info = await self._lora(context, "load_lora", request.name, request.path)
+        return pb.LoraInfo(**info)
+
+    async def UnloadLora(self, request, context):
+        if isinstance(request, BadRequest):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return pb.UnloadLoraResponse(found=await self._lora(context, "unload_lora", request.name))
+
+    async def ListLoras(self, request, context):
+        if isinstance(request, BadRequest):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        loras = await self._lora(context, "list_loras", draining_ok=True)
+        return pb.ListLorasResponse(loras=[pb.LoraInfo(**e) for e in loras])
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    async def _lora(self, context, method: str, *args, draining_ok: bool = False):
+        """LLM.load_lora / unload_lora / list_loras on the engine (in its process, or on a worker thread of this one:
+        they may wait for a draining slot), failures as the status codes above."""
+        engine = await self._ready(context, draining_ok=draining_ok)
+        try:
+            if isinstance(engine, EngineProcess):
+                return await getattr(engine, method)(*args)
+            kwargs = {"timeout": LORA_WAIT_S} if method == "load_lora" else {}
+            return await asyncio.to_thread(getattr(self.llm, method), *args, **kwargs)
+        except (LoraError, EngineDied) as e:  # the engine process sorted it already / is gone
+            error = e if isinstance(e, LoraError) else LoraError("internal", str(e))
+        except Exception as e:  # noqa: BLE001 - in this process: sorted into status codes; a bug is INTERNAL and logged
+            error = lora_error(self.llm, e)
+        await _abort(context, _LORA_CODES.get(error.kind, grpc.StatusCode.INTERNAL), str(error))
+
     async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context):
         """Turn the engine's Outputs into messages. Outputs that queued up while the client was slow are merged into
         one message (fewer, larger writes under load). Leaving early (client cancel, deadline) aborts the request:
@@ -249,18 +292,26 @@ class EngineServicer:
         """End the call with `code` (raises, as context.abort does), counting it in the metrics. The message travels in
         a header: cut so that it always fits a client's header limit (8 KiB by default)."""
         self._count(code.name, "error" if code == grpc.StatusCode.ABORTED else "")
-        if len(message) > MAX_STATUS_CHARS:
-            message = f"{message[:MAX_STATUS_CHARS]}... ({len(message)} characters)"
-        await context.abort(code, message)
+        await _abort(context, code, message)
 
     def _count(self, code: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(code=code, finish_reason=reason).inc()
 
 
-def sampling_params(msg) -> SamplingParams:
-    """The proto's SamplingParams as jphoton's; unset fields keep jphoton's defaults. Raises ValueError if invalid."""
+async def _abort(context, code: grpc.StatusCode, message: str) -> None:
+    """context.abort (raises), the message cut so that it always fits a client's header limit (8 KiB by default)."""
+    if len(message) > MAX_STATUS_CHARS:
+        message = f"{message[:MAX_STATUS_CHARS]}... ({len(message)} characters)"
+    await context.abort(code, message)
+
+
+def sampling_params(msg, lora: str = "") -> SamplingParams:
+    """The proto's SamplingParams as jphoton's; unset fields keep jphoton's defaults; `lora`: GenerateRequest.lora
+    (empty: the base model). Raises ValueError if invalid."""
     kw = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    if lora:
+        kw["lora"] = lora
     if msg.stop:
         kw["stop"] = tuple(msg.stop)
     if msg.stop_token_ids:
@@ -377,5 +428,14 @@ def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats, request_deserializer=lenient(pb.GetStatsRequest),
             response_serializer=pb.Stats.SerializeToString),
+        "LoadLora": grpc.unary_unary_rpc_method_handler(
+            servicer.LoadLora, request_deserializer=lenient(pb.LoadLoraRequest),
+            response_serializer=pb.LoraInfo.SerializeToString),
+        "UnloadLora": grpc.unary_unary_rpc_method_handler(
+            servicer.UnloadLora, request_deserializer=lenient(pb.UnloadLoraRequest),
+            response_serializer=pb.UnloadLoraResponse.SerializeToString),
+        "ListLoras": grpc.unary_unary_rpc_method_handler(
+            servicer.ListLoras, request_deserializer=lenient(pb.ListLorasRequest),
+            response_serializer=pb.ListLorasResponse.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
