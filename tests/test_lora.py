@@ -40,17 +40,15 @@ def lora_llm():
         yield llm
 
 
-@pytest.mark.parametrize("hook", ["xla", "pallas"])
-def test_the_slot_update_matches_a_per_row_gather(hook):
-    """The update of every slot at once (XLA: two GEMMs and a mask; "pallas": the GEMV's split-K partials into
-    pallas_kernels/lora_expand.py, interpret mode here) against each row's own slot gathered row by row."""
+def test_the_slot_update_matches_a_per_row_gather():
+    """The update of every slot at once (two GEMMs and a mask) against each row's own slot gathered row by row."""
     import jax
     import jax.numpy as jnp
 
     from jphoton.models import lora
-    from jphoton.models.matmul import PlainMatmul, XlaMatmul
+    from jphoton.models.matmul import PlainMatmul
 
-    mm = PlainMatmul() if hook == "xla" else XlaMatmul(glu_gemv=True, interpret=True)
+    mm = PlainMatmul()
     rng = np.random.default_rng(0)
     S, R, D, O = 3, 4, 160, 72  # sizes off the kernels' power-of-two tiles
     for group in ("qkv", "o"):
@@ -65,6 +63,22 @@ def test_the_slot_update_matches_a_per_row_gather(hook):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
         np.testing.assert_array_equal(np.asarray(got)[[1, 4]], np.asarray(y)[[1, 4]])  # no adapter: no update
         assert not np.allclose(np.asarray(got)[0], np.asarray(y)[0])
+
+
+def test_the_expand_kernel_walks_its_columns_like_the_reference():
+    import jax.numpy as jnp
+
+    from pallas_kernels.lora_expand import lora_expand, lora_expand_reference
+
+    rng = np.random.default_rng(1)
+    parts = jnp.asarray(rng.standard_normal((3, 5, 24)), jnp.float32)  # 3 partials, 5 rows, 2 slots x 12 columns
+    b = jnp.asarray(rng.standard_normal((24, 72)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((5, 72)), jnp.float32)
+    slots = jnp.asarray([1, -1, 0, 1, 0], jnp.int32)
+    want = lora_expand_reference(y, parts, b, slots, 12)
+    for programs in (1, 2, 32):  # 5 column blocks of 16: 5, 3 (the last one past the end) and 1 blocks a program
+        got = lora_expand(y, parts, b, slots, 12, block_n=16, programs=programs, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_greedy_tokens_equal_hf_peft_in_one_mixed_batch_and_alone(lora_llm):

@@ -173,7 +173,7 @@ class XlaMatmul(PlainMatmul):
 
             K = x.shape[-1]
             parts = gemv(x.reshape(-1, K), a, partials=True, interpret=self.interpret,
-                         config=GemvConfig(block_n=64, block_k=128, split=max(1, min(16, K // 256))))
+                         config=GemvConfig(block_n=64, block_k=128, split=max(1, min(8, K // 256))))
             out = lora_expand(y.reshape(-1, y.shape[-1]), parts, b, token_slots.reshape(-1), width,
                               interpret=self.interpret)
             return out.reshape(y.shape)
