@@ -65,22 +65,6 @@ def test_the_slot_update_matches_a_per_row_gather():
         assert not np.allclose(np.asarray(got)[0], np.asarray(y)[0])
 
 
-def test_the_expand_kernel_walks_its_columns_like_the_reference():
-    import jax.numpy as jnp
-
-    from pallas_kernels.lora_expand import lora_expand, lora_expand_reference
-
-    rng = np.random.default_rng(1)
-    parts = jnp.asarray(rng.standard_normal((3, 5, 24)), jnp.float32)  # 3 partials, 5 rows, 2 slots x 12 columns
-    b = jnp.asarray(rng.standard_normal((24, 72)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((5, 72)), jnp.float32)
-    slots = jnp.asarray([1, -1, 0, 1, 0], jnp.int32)
-    want = lora_expand_reference(y, parts, b, slots, 12)
-    for programs in (1, 2, 32):  # 5 column blocks of 16: 5, 3 (the last one past the end) and 1 blocks a program
-        got = lora_expand(y, parts, b, slots, 12, block_n=16, programs=programs, interpret=True)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-
-
 def test_greedy_tokens_equal_hf_peft_in_one_mixed_batch_and_alone(lora_llm):
     prompts, ref = _reference()
     for name in NAMES:  # each adapter changes the base model's output (else this test could not fail)

@@ -70,6 +70,8 @@ class Runner:
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
         self.device = jax.devices()[0]
+        if self.lora_enabled:  # q|k|v's and gate|up's LoRA A ride in extra columns of the base weights (models/lora.py)
+            lora_lib.extend_params(cfg, model.params, config.max_loras, config.max_lora_rank)
         self.params = jax.device_put(model.params, self.device)
         dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
         slots = (num_pages + 1) * page_size  # +1: the trash page that padding writes to
@@ -98,6 +100,8 @@ class Runner:
             self._per_layer_lora = per_layer
             self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,), in_shardings=on_device,
                                        out_shardings=on_device)
+            self._write_inline = jax.jit(functools.partial(lora_lib.write_inline, base=lora_lib.base_columns(cfg)),
+                                         donate_argnums=(0,), in_shardings=on_device, out_shardings=on_device)
         step = functools.partial(engine_step, model.forward, model.logits, self.static)
         jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
                                 out_shardings=on_device)
@@ -126,10 +130,14 @@ class Runner:
                             spec(slot.tokens), spec(slot.logits),
                             jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
                             jax.tree.map(spec, self.lora_weights))
-        if self.lora_enabled:  # the adapter write compiles now: loading one while serving compiles nothing
-            blocks = lora_lib.init_weights(cfg, 1, config.max_lora_rank, np.float32, self._per_layer_lora)
-            self._write_lora.lower(self._step_specs[-1], jax.ShapeDtypeStruct((), jnp.int32),
-                                   jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)).compile()
+        if self.lora_enabled:  # the adapter writes compile now: loading one while serving compiles nothing
+            blocks = lora_lib.slot_blocks(cfg, None, config.max_lora_rank)
+            if not self._per_layer_lora:
+                blocks = lora_lib.stack_blocks(blocks)
+            blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
+            index = jax.ShapeDtypeStruct((), jnp.int32)
+            self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
+            self._write_inline.lower(self._step_specs[0], index, blocks).compile()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
                                spec(self.carrier))
 
@@ -149,7 +157,8 @@ class Runner:
         engine's next call with this shape dispatches at once. filtered: its top-k / top-p variant. With LoRA on, the
         shape's LoRA variant compiles with it (a shape is ready when both are)."""
         for lora in ((False, True) if self.lora_enabled else (False,)):
-            self._steps[filtered, lora].lower(shape, *self._step_specs).compile()
+            specs = self._step_specs if lora else (*self._step_specs[:-1], None)
+            self._steps[filtered, lora].lower(shape, *specs).compile()
         if filtered and self.filtered_ready is not None:
             self.filtered_ready.add(shape)
 
@@ -239,6 +248,7 @@ class Runner:
             blocks = lora_lib.stack_blocks(blocks)
         with _input_transfer():
             self.lora_weights = self._write_lora(self.lora_weights, np.int32(slot), blocks)
+            self.params = self._write_inline(self.params, np.int32(slot), blocks)
 
     @staticmethod
     def wants_filters(plan: StepPlan) -> bool:
@@ -351,8 +361,9 @@ class Runner:
             record.t_put = time.perf_counter()
         step = self._steps[filtered, lora]
         with _input_transfer():
-            slot.tokens, slot.logits, self.kv = step(
-                shape, self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed, self.lora_weights)
+            # (the base program takes no LoRA weights: each pytree leaf costs the dispatch time, ~100 leaves here)
+            slot.tokens, slot.logits, self.kv = step(shape, self.params, self.kv, self._prev_tokens, slot.tokens,
+                                                     slot.logits, packed, self.lora_weights if lora else None)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens

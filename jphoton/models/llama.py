@@ -210,7 +210,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         def lora_add(y, v, group):  # y + v's LoRA update (each row its own adapter)
             return mm.lora_add(y, v, *lw[group], lora.token_slots, lora_lib.group_width(group, lora.rank))
 
-        update = (lambda qkv: lora_add(qkv, h, "qkv")) if lw is not None else None
+        def lora_expand(y, shrunk, group):  # the same, the shrink computed by the base product (lora.INLINE)
+            return mm.lora_expand(y, shrunk, lw[group][1], lora.token_slots, lora_lib.group_width(group, lora.rank))
+
+        update = (lambda qkv, shrunk: lora_expand(qkv, shrunk, "qkv")) if lw is not None else None
         q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, update=update)
         o, kv = attend(q, k, v, kv, kv_layer)
         o = o.reshape(*x.shape[:-1], cfg.q_size)
@@ -218,13 +221,13 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             x = lora_add(x, o, "o")
         x, h = mm.residual(x, o, lp["wo"], stacks["wo"], index, lp["mlp_norm"],
                            stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
-        if lw is not None:
-            gate_up = proj(h, "w_gate_up") if "w_gate_up" in lp else jnp.concatenate(
-                [proj(h, "w_gate"), proj(h, "w_up")], axis=-1)
-            act = swiglu_of(lora_add(gate_up, h, "gate_up"))
+        F2 = 2 * cfg.intermediate_size
+        if lw is not None:  # gate | up | the gate_up group's shrink (lora.INLINE), one product
+            gate_up = proj(h, "w_gate_up")
+            act = swiglu_of(lora_expand(gate_up[..., :F2], gate_up[..., F2:], "gate_up"))
             x = lora_add(x, act, "down")
-        elif "w_gate_up" in lp:
-            act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index)
+        elif "w_gate_up" in lp:  # (a LoRA engine's base program: the GEMV reads gate | up only)
+            act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index, n=cfg.intermediate_size)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
         x, h = mm.residual(x, act, lp["w_down"], stacks["w_down"], index, norm_after, stacks["next_norm"], eps)

@@ -18,6 +18,12 @@ two dense GEMMs over every slot at once: each adapter's weights are read once a 
 per-row gather would read them once per row), and the slot is data, so loading or unloading an adapter never
 recompiles. An absent target's blocks stay zero. `delta_reference` is the per-row oracle the tests compare against.
 
+The A of q|k|v and of gate|up lives *inside* the base weight (`INLINE`): the serving layout's wqkv and w_gate_up get
+S*n*R more columns (`extend_params`), so the layer's own GEMM computes the shrink too and the LoRA weights keep only B
+for them. Through XLA a separate shrink was a split-K GEMM plus a sum kernel plus a mask kernel per group; the base
+program (steps with no adapter row) slices the extra columns off (q|k|v: 6% more columns read at rank 16 x 4 slots;
+gate+up: the GEMV reads the gate and up halves only).
+
 Pure functions here; the slot bookkeeping is engine/loras.py (no jax), reading PEFT files jphoton/weights/peft.py.
 """
 
@@ -38,6 +44,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 TARGETS = tuple(t for targets in GROUPS.values() for t in targets)
+INLINE = {"qkv": "wqkv", "gate_up": "w_gate_up"}  # groups whose A rides in this serving-layout weight's extra columns
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -68,17 +75,46 @@ class LoraInputs(NamedTuple):
 
 def init_weights(cfg: ModelConfig, num_slots: int, rank: int, dtype, per_layer: bool) -> Any:
     """All-zero slot weights (no adapter loaded) as numpy arrays; per_layer: a tuple of per-layer dicts (the unrolled
-    layer loop's layout, llama.unstack_layers), else one dict of [L, ...] stacks. Each group: (A, B)."""
+    layer loop's layout, llama.unstack_layers), else one dict of [L, ...] stacks. Each group: (A, B), A None for the
+    `INLINE` groups (their A lives in the params, `extend_params`)."""
     shapes = group_shapes(cfg, num_slots, rank)
     L = cfg.num_layers
+
+    def zeros(shape, group, is_a):
+        return None if is_a and group in INLINE else np.zeros(shape, dtype)
+
     if per_layer:
-        return tuple({g: (np.zeros(a, dtype), np.zeros(b, dtype)) for g, (a, b) in shapes.items()} for _ in range(L))
-    return {g: (np.zeros((L, *a), dtype), np.zeros((L, *b), dtype)) for g, (a, b) in shapes.items()}
+        return tuple({g: (zeros(a, g, True), zeros(b, g, False)) for g, (a, b) in shapes.items()} for _ in range(L))
+    return {g: (zeros((L, *a), g, True), zeros((L, *b), g, False)) for g, (a, b) in shapes.items()}
+
+
+def base_columns(cfg: ModelConfig) -> dict[str, int]:
+    """Columns of each `INLINE` weight before the LoRA columns start."""
+    return {"wqkv": cfg.q_size + 2 * cfg.kv_size, "w_gate_up": 2 * cfg.intermediate_size}
+
+
+def extend_params(cfg: ModelConfig, params: dict, num_slots: int, rank: int) -> None:
+    """Append each `INLINE` group's zero A columns to the serving layout's wqkv and w_gate_up, in place (each old
+    matrix is dropped as its extended copy replaces it: the peak is the weights plus one matrix). ValueError unless
+    the params are in the fused serving layout."""
+    layers = params["layers"]
+    per_layer = layers if isinstance(layers, (tuple, list)) else [layers]
+    for lp in per_layer:
+        for group, key in INLINE.items():
+            if key not in lp:
+                raise ValueError("LoRA needs the params in the fused serving layout (llama_family(fuse=True))")
+            w = lp[key]
+            cols = num_slots * len(GROUPS[group]) * rank
+            if isinstance(w, np.ndarray):
+                lp[key] = np.concatenate([w, np.zeros((*w.shape[:-1], cols), w.dtype)], axis=-1)
+            else:
+                lp[key] = jnp.concatenate([w, jnp.zeros((*w.shape[:-1], cols), w.dtype)], axis=-1)
+            del w
 
 
 def slot_blocks(cfg: ModelConfig, adapter, rank: int) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
     """One adapter's share of every layer, in float32: per layer and group, A [in, n*rank] and B [n*rank, out] (scaling
-    folded into B, absent targets zero, lower ranks zero-padded). adapter: weights/peft.py `PeftAdapter`."""
+    folded into B, absent targets zero, lower ranks zero-padded). adapter: weights/peft.py `PeftAdapter` (None: zeros)."""
     dims = target_dims(cfg)
     layers = []
     for layer in range(cfg.num_layers):
@@ -89,7 +125,7 @@ def slot_blocks(cfg: ModelConfig, adapter, rank: int) -> list[dict[str, tuple[np
             b = np.zeros((n * rank, sum(dims[t][1] for t in targets)), np.float32)
             col = 0
             for t_i, t in enumerate(targets):
-                pair = adapter.weights.get((layer, t))
+                pair = adapter.weights.get((layer, t)) if adapter is not None else None
                 if pair is not None:
                     la, lb = pair  # PEFT layout: lora_A [r, in], lora_B [out, r]
                     r = la.shape[0]
@@ -110,10 +146,32 @@ def write_slot(weights: Any, slot: jax.Array, blocks: Any) -> Any:
         start[axis] = slot * block.shape[axis]
         return jax.lax.dynamic_update_slice(w, block.astype(w.dtype), start)
 
+    def put_a(w, block, axis):
+        return None if w is None else put(w, block, axis)
+
     if isinstance(weights, (tuple, list)):
-        return tuple({g: (put(lw[g][0], lb[g][0], 1), put(lw[g][1], lb[g][1], 0)) for g in lw}
+        return tuple({g: (put_a(lw[g][0], lb[g][0], 1), put(lw[g][1], lb[g][1], 0)) for g in lw}
                      for lw, lb in zip(weights, blocks, strict=True))
-    return {g: (put(weights[g][0], blocks[g][0], 2), put(weights[g][1], blocks[g][1], 1)) for g in weights}
+    return {g: (put_a(weights[g][0], blocks[g][0], 2), put(weights[g][1], blocks[g][1], 1)) for g in weights}
+
+
+def write_inline(params: dict, slot: jax.Array, blocks: Any, base: dict[str, int]) -> dict:
+    """`params` with slot `slot`'s A columns of the `INLINE` groups replaced (they start at base[key] + slot * width
+    in wqkv / w_gate_up). Jitted with `params` donated: in place; every other leaf passes through untouched."""
+
+    def put(lp, lb):
+        lp = dict(lp)
+        for group, key in INLINE.items():
+            w, block = lp[key], lb[group][0]
+            start = [0] * w.ndim
+            start[-1] = base[key] + slot * block.shape[-1]
+            lp[key] = jax.lax.dynamic_update_slice(w, block.astype(w.dtype), start)
+        return lp
+
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return {**params, "layers": tuple(put(lp, lb) for lp, lb in zip(layers, blocks, strict=True))}
+    return {**params, "layers": put(layers, blocks)}
 
 
 def stack_blocks(blocks: list[dict]) -> dict:
@@ -142,10 +200,16 @@ def group_width(group: str, rank: int) -> int:
 
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
     """The group's LoRA update for rows x [..., in]: ((x @ A) * mask) @ B, [..., out]."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    shrunk = jnp.dot(x2, a, preferred_element_type=jnp.float32) * mask
-    out = jnp.dot(shrunk.astype(x.dtype), b, preferred_element_type=jnp.float32).astype(x.dtype)
+    shrunk = jnp.dot(x.reshape(-1, x.shape[-1]), a, preferred_element_type=jnp.float32)
+    return expand(shrunk, b, mask, x.dtype).reshape(*x.shape[:-1], b.shape[-1])
+
+
+def expand(shrunk: jax.Array, b: jax.Array, mask: jax.Array, dtype) -> jax.Array:
+    """(shrunk [..., C] * mask) @ B [C, out] in `dtype` (fp32 accumulation): the update from a shrink computed
+    elsewhere (an `INLINE` group's extra columns of the base product)."""
+    lead = shrunk.shape[:-1]
+    s2 = shrunk.reshape(-1, shrunk.shape[-1]).astype(jnp.float32) * mask
+    out = jnp.dot(s2.astype(dtype), b, preferred_element_type=jnp.float32).astype(dtype)
     return out.reshape(*lead, b.shape[-1])
 
 

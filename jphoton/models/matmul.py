@@ -103,9 +103,10 @@ class PlainMatmul:
         """x [..., K] @ w [K, N] (this layer's matrix; `stacked` [L, K, N] and `layer` are for kernels)."""
         return dense(x, w)
 
-    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
-        """silu(gate) * up of x @ w, w = [gate | up] [K, 2F]."""
-        return swiglu_of(self(x, w, stacked, layer))
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, n: int | None = None) -> jax.Array:
+        """silu(gate) * up of x @ w, w = [gate | up] [K, 2F] (n = F: w may have more columns after, unused)."""
+        out = self(x, w, stacked, layer)
+        return swiglu_of(out if n is None else out[..., :2 * n])
 
     def residual(self, h: jax.Array, y: jax.Array, w: jax.Array, stacked: jax.Array, layer, norm: jax.Array,
                  norm_stack: jax.Array, eps: float, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -126,6 +127,15 @@ class PlainMatmul:
 
         mask = lora.slot_mask(token_slots, a.shape[-1], width, jnp.float32)
         return y + lora.delta(x, a, b, mask).reshape(y.shape)
+
+    def lora_expand(self, y: jax.Array, shrunk: jax.Array, b: jax.Array, token_slots: jax.Array,
+                    width: int) -> jax.Array:
+        """y + ((shrunk * onehot) @ b): the update of a group whose shrink the base product computed (models/lora.py
+        INLINE)."""
+        from jphoton.models import lora
+
+        mask = lora.slot_mask(token_slots, b.shape[0], width, jnp.float32)
+        return y + lora.expand(shrunk, b, mask, y.dtype).reshape(y.shape)
 
 
 class XlaMatmul(PlainMatmul):
@@ -158,26 +168,10 @@ class XlaMatmul(PlainMatmul):
         was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
         return two_row_dot(x, w)
 
-    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer) -> jax.Array:
+    def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, n: int | None = None) -> jax.Array:
         if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
-            return _gemv_rows(x, stacked, layer, glu=True, interpret=self.interpret)
-        return super().glu(x, w, stacked, layer)
-
-    def lora_add(self, y, x, a, b, token_slots, width):
-        """At <= PALLAS_MAX_ROWS tokens ("fused"): the shrink as a GEMV writing split-K partials, and one kernel that
-        sums them, masks each row's slot, multiplies by b and adds into y (pallas_kernels/lora_expand.py): 2 kernels,
-        where XLA ran 5 (shrink, split-K sum, mask, expand, add)."""
-        if self.glu_gemv and _rows(x) <= PALLAS_MAX_ROWS:
-            from pallas_kernels.gemv import GemvConfig, gemv
-            from pallas_kernels.lora_expand import lora_expand
-
-            K = x.shape[-1]
-            parts = gemv(x.reshape(-1, K), a, partials=True, interpret=self.interpret,
-                         config=GemvConfig(block_n=64, block_k=128, split=max(1, min(8, K // 256))))
-            out = lora_expand(y.reshape(-1, y.shape[-1]), parts, b, token_slots.reshape(-1), width,
-                              interpret=self.interpret)
-            return out.reshape(y.shape)
-        return super().lora_add(y, x, a, b, token_slots, width)
+            return _gemv_rows(x, stacked, layer, glu=True, glu_n=n, interpret=self.interpret)
+        return super().glu(x, w, stacked, layer, n)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
         if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
