@@ -53,10 +53,11 @@ def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, D
 
 def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float, num_warps: int = 8,
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """h [M, D] + sum(parts [S, M, D]) -> (h', RMSNorm(h') * weight), h' in h's dtype, the normed rows in the dtype
+    """h [M, D] + sum(parts [S, M, D]) -> (h', RMSNorm(h') * weight) (parts may have more columns after D, unread:
+    a LoRA shrink's, jphoton/models/lora.py), h' in h's dtype, the normed rows in the dtype
     `weight * h'` has. weight: [D], or stacked [L, D] read at `layer` (a Python int or a traced scalar; never sliced,
     so a layer loop does not copy it). interpret: None = interpret mode unless the default backend is a GPU."""
-    if h.ndim != 2 or parts.ndim != 3 or parts.shape[1:] != h.shape:
+    if h.ndim != 2 or parts.ndim != 3 or parts.shape[1] != h.shape[0] or parts.shape[2] < h.shape[1]:
         raise ValueError(f"parts must be [S, M, D] over h [M, D]; got h {h.shape}, parts {parts.shape}")
     if weight.ndim == 1:
         weight, layer = weight[None], 0

@@ -207,7 +207,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks,
 
 
 def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None, glu: bool = False,
-         glu_n: int | None = None, partials: bool = False, config: GemvConfig | None = None,
+         glu_n: int | None = None, n: int | None = None, partials: bool = False, config: GemvConfig | None = None,
          interpret: bool | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N] with fp32 accumulation, M <= MAX_ROWS.
 
@@ -219,6 +219,7 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
       glu: W is [K, 2N] = [gate | up] (a fused gate+up matrix); returns silu(x @ gate) * (x @ up) [M, N] from the fp32
         sums, so SwiGLU's [M, 2N] input never reaches HBM. No split-K (the activation needs whole sums), "dot" mode,
         not transposed. glu_n: N when W has more columns after [gate | up] (LoRA's, jphoton/models/lora.py), unread.
+      n: only W's first n columns (W [K, N'] not transposed, N' >= n; the rest unread).
       partials: returns the split-K partial sums as they are, float32 [split, M, N] (split may be 1), for a consumer
         kernel that sums them together with its own work (add_rms_norm.py: residual add + RMSNorm) instead of a
         separate sum here."""
@@ -234,6 +235,10 @@ def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, ou
         raise ValueError(f"glu needs a [K, 2N] weight, not transposed, without partials; got {w.shape}")
     M, K = x.shape
     N = w.shape[1] if transposed else (glu_n or w.shape[2] // 2) if glu else w.shape[2]
+    if n is not None:
+        if glu or transposed or not 1 <= n <= N:
+            raise ValueError(f"n={n} needs a [K, N >= n] weight, not transposed, no glu; got {w.shape}")
+        N = n
     Kw = w.shape[2] if transposed else w.shape[1]
     if Kw != K:
         raise ValueError(f"x {x.shape} does not fit w {w.shape} (transposed={transposed})")

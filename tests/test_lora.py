@@ -46,23 +46,51 @@ def test_the_slot_update_matches_a_per_row_gather():
     import jax.numpy as jnp
 
     from jphoton.models import lora
-    from jphoton.models.matmul import PlainMatmul
 
-    mm = PlainMatmul()
     rng = np.random.default_rng(0)
-    S, R, D, O = 3, 4, 160, 72  # sizes off the kernels' power-of-two tiles
+    S, R, D, O = 3, 4, 16, 24
     for group in ("qkv", "o"):
         n = len(lora.GROUPS[group])
         a = jnp.asarray(rng.standard_normal((D, S * n * R)), jnp.float32)
         b = jnp.asarray(rng.standard_normal((S * n * R, O)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((7, D)), jnp.float32)
-        y = jnp.asarray(rng.standard_normal((7, O)), jnp.float32)
         slots = jnp.asarray([0, -1, 2, 1, -1, 2, 0], jnp.int32)
-        got = mm.lora_add(y, x, a, b, slots, lora.group_width(group, R))
-        want = y + jax.jit(lora.delta_reference, static_argnums=(4, 5))(x, a, b, slots, group, R)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
-        np.testing.assert_array_equal(np.asarray(got)[[1, 4]], np.asarray(y)[[1, 4]])  # no adapter: no update
-        assert not np.allclose(np.asarray(got)[0], np.asarray(y)[0])
+        got = lora.delta(x, a, b, lora.slot_mask(slots, S * n * R, lora.group_width(group, R), jnp.float32))
+        want = jax.jit(lora.delta_reference, static_argnums=(4, 5))(x, a, b, slots, group, R)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+        assert not np.asarray(got)[[1, 4]].any() and np.asarray(got)[0].any()  # no adapter: no update
+
+
+def test_the_gemv_residual_path_reads_the_lora_columns_like_xla():
+    """O / down with the LoRA shrink in the weight's extra columns (lora.INLINE): the GEMV + add-RMSNorm kernels
+    (interpret mode) against the XLA path, with LoRA rows (shrink used) and without (extra columns unread)."""
+    import jax.numpy as jnp
+
+    from jphoton.models import lora
+    from jphoton.models.matmul import PlainMatmul, XlaMatmul
+
+    rng = np.random.default_rng(2)
+    M, K, D, C = 5, 96, 48, 16  # 2 slots x rank 8
+    w = jnp.asarray(rng.standard_normal((K, D + C)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((C, D)) * 0.1, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
+    norm = jnp.asarray(rng.standard_normal(D), jnp.float32)
+    slots = jnp.asarray([1, -1, 0, 1, 0], jnp.int32)
+
+    def update(h, shrunk):
+        return PlainMatmul().lora_expand(h, shrunk, b, slots, 8)
+
+    kernels = XlaMatmul(residual_gemv=True, residual_min_rows=1, interpret=True)
+    for fn in (update, None):
+        got = kernels.residual(h, y, w, w[None], 0, norm, norm[None], 1e-5, lora=fn)
+        want = PlainMatmul().residual(h, y, w, w[None], 0, norm, norm[None], 1e-5, lora=fn)
+        for g, x in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=1e-4, atol=1e-4)
+    base = PlainMatmul().residual(h, y, w[:, :D], None, 0, norm, None, 1e-5)
+    np.testing.assert_allclose(np.asarray(kernels.residual(h, y, w, w[None], 0, norm, norm[None], 1e-5)[0]),
+                               np.asarray(base[0]), rtol=1e-4, atol=1e-4)
+    assert lora.group_width("o", 8) == 8
 
 
 def test_greedy_tokens_equal_hf_peft_in_one_mixed_batch_and_alone(lora_llm):

@@ -200,37 +200,34 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         """One decoder layer. lp: this layer's matrices (what an XLA dot should read); stacks[key][index]: the same
         matrix as a stack + index (what a kernel should read: a slice fed to a custom call is copied; per-layer params
         pass a [1, ...] view and index 0). kv_layer: the layer's index in the KV pool. lw: the layer's LoRA groups
-        (models/lora.py) or None. A LoRA update of O or down is added to the residual stream before the hook adds the
-        product (same sum); gate+up then runs as a product and a SwiGLU, not the hook's fused `glu`."""
+        (models/lora.py) or None. Each product's columns past the base ones are its LoRA shrink (lora.INLINE); the
+        update of O or down is added to the residual stream inside the hook, before the product (same sum); with LoRA
+        rows gate+up runs as a product and a SwiGLU, not the hook's fused `glu`."""
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
 
         def proj(v, key):
             return mm(v, lp[key], stacks[key], index)
 
-        def lora_add(y, v, group):  # y + v's LoRA update (each row its own adapter)
-            return mm.lora_add(y, v, *lw[group], lora.token_slots, lora_lib.group_width(group, lora.rank))
+        def lora_update(group):  # y, the group's shrink (each row its own adapter's columns) -> y + update
+            if lw is None:
+                return None
+            width = lora_lib.group_width(group, lora.rank)
+            return lambda y, shrunk: mm.lora_expand(y, shrunk, lw[group][1], lora.token_slots, width)
 
-        def lora_expand(y, shrunk, group):  # the same, the shrink computed by the base product (lora.INLINE)
-            return mm.lora_expand(y, shrunk, lw[group][1], lora.token_slots, lora_lib.group_width(group, lora.rank))
-
-        update = (lambda qkv, shrunk: lora_expand(qkv, shrunk, "qkv")) if lw is not None else None
-        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, update=update)
+        q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, update=lora_update("qkv"))
         o, kv = attend(q, k, v, kv, kv_layer)
-        o = o.reshape(*x.shape[:-1], cfg.q_size)
-        if lw is not None:
-            x = lora_add(x, o, "o")
-        x, h = mm.residual(x, o, lp["wo"], stacks["wo"], index, lp["mlp_norm"],
-                           stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None)
+        x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacks["wo"], index, lp["mlp_norm"],
+                           stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None, lora=lora_update("o"))
         F2 = 2 * cfg.intermediate_size
-        if lw is not None:  # gate | up | the gate_up group's shrink (lora.INLINE), one product
+        if lw is not None:  # gate | up | the gate_up group's shrink, one product
             gate_up = proj(h, "w_gate_up")
-            act = swiglu_of(lora_expand(gate_up[..., :F2], gate_up[..., F2:], "gate_up"))
-            x = lora_add(x, act, "down")
+            act = swiglu_of(lora_update("gate_up")(gate_up[..., :F2], gate_up[..., F2:]))
         elif "w_gate_up" in lp:  # (a LoRA engine's base program: the GEMV reads gate | up only)
             act = mm.glu(h, lp["w_gate_up"], stacks["w_gate_up"], index, n=cfg.intermediate_size)
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
-        x, h = mm.residual(x, act, lp["w_down"], stacks["w_down"], index, norm_after, stacks["next_norm"], eps)
+        x, h = mm.residual(x, act, lp["w_down"], stacks["w_down"], index, norm_after, stacks["next_norm"], eps,
+                           lora=lora_update("down"))
         return x, h, kv
 
     carry = (x, h, kv)

@@ -18,11 +18,11 @@ two dense GEMMs over every slot at once: each adapter's weights are read once a 
 per-row gather would read them once per row), and the slot is data, so loading or unloading an adapter never
 recompiles. An absent target's blocks stay zero. `delta_reference` is the per-row oracle the tests compare against.
 
-The A of q|k|v and of gate|up lives *inside* the base weight (`INLINE`): the serving layout's wqkv and w_gate_up get
-S*n*R more columns (`extend_params`), so the layer's own GEMM computes the shrink too and the LoRA weights keep only B
-for them. Through XLA a separate shrink was a split-K GEMM plus a sum kernel plus a mask kernel per group; the base
-program (steps with no adapter row) slices the extra columns off (q|k|v: 6% more columns read at rank 16 x 4 slots;
-gate+up: the GEMV reads the gate and up halves only).
+Every group's A lives *inside* its base weight (`INLINE`): the serving layout's wqkv, wo, w_gate_up and w_down get
+S*n*R more columns (`extend_params`), so the layer's own product computes the shrink too and the LoRA weights keep only
+B. Through XLA a separate shrink was a split-K GEMM plus a sum kernel plus a mask kernel per group (H100: 1.31x a 1B
+step with 24 of 32 rows on adapters; docs/decisions.md). The base program (steps with no adapter row) never uses the
+extra columns: the GEMVs read the base columns only, XLA's q|k|v dot reads 6% more (rank 16 x 4 slots).
 
 Pure functions here; the slot bookkeeping is engine/loras.py (no jax), reading PEFT files jphoton/weights/peft.py.
 """
@@ -44,7 +44,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 TARGETS = tuple(t for targets in GROUPS.values() for t in targets)
-INLINE = {"qkv": "wqkv", "gate_up": "w_gate_up"}  # groups whose A rides in this serving-layout weight's extra columns
+INLINE = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}  # each group's A rides in this weight
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -90,7 +90,8 @@ def init_weights(cfg: ModelConfig, num_slots: int, rank: int, dtype, per_layer: 
 
 def base_columns(cfg: ModelConfig) -> dict[str, int]:
     """Columns of each `INLINE` weight before the LoRA columns start."""
-    return {"wqkv": cfg.q_size + 2 * cfg.kv_size, "w_gate_up": 2 * cfg.intermediate_size}
+    return {"wqkv": cfg.q_size + 2 * cfg.kv_size, "wo": cfg.hidden_size, "w_gate_up": 2 * cfg.intermediate_size,
+            "w_down": cfg.hidden_size}
 
 
 def extend_params(cfg: ModelConfig, params: dict, num_slots: int, rank: int) -> None:

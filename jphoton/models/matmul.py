@@ -109,24 +109,23 @@ class PlainMatmul:
         return swiglu_of(out if n is None else out[..., :2 * n])
 
     def residual(self, h: jax.Array, y: jax.Array, w: jax.Array, stacked: jax.Array, layer, norm: jax.Array,
-                 norm_stack: jax.Array, eps: float, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 norm_stack: jax.Array, eps: float, bias: jax.Array | None = None, lora=None
+                 ) -> tuple[jax.Array, jax.Array]:
         """h' = h + y @ w (+ bias), and RMSNorm(h') * norm: the residual stream and the next matmul's input.
-        `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels)."""
+        `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels). w may have
+        more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product) adds the
+        rows' LoRA updates to h first; without `lora` they are dropped."""
         out = self(y, w, stacked, layer)
+        D = h.shape[-1]
+        if out.shape[-1] > D:
+            out, shrunk = out[..., :D], out[..., D:]
+            if lora is not None:
+                h = lora(h, shrunk)
         h = h + (out if bias is None else out + bias)
         return h, rms_norm(h, norm, eps)
 
     def head(self, hidden: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return xla_head(hidden, w, transposed)
-
-    def lora_add(self, y: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array,
-                 width: int) -> jax.Array:
-        """y + each row's LoRA update of x: ((x @ a) * onehot) @ b, a [K, C] / b [C, N] holding every slot's columns
-        (`width` columns a slot; models/lora.py)."""
-        from jphoton.models import lora
-
-        mask = lora.slot_mask(token_slots, a.shape[-1], width, jnp.float32)
-        return y + lora.delta(x, a, b, mask).reshape(y.shape)
 
     def lora_expand(self, y: jax.Array, shrunk: jax.Array, b: jax.Array, token_slots: jax.Array,
                     width: int) -> jax.Array:
@@ -173,16 +172,21 @@ class XlaMatmul(PlainMatmul):
             return _gemv_rows(x, stacked, layer, glu=True, glu_n=n, interpret=self.interpret)
         return super().glu(x, w, stacked, layer, n)
 
-    def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None):
+    def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None, lora=None):
         if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
             from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
 
-            parts = gemv(y.reshape(-1, y.shape[-1]), stacked, layer, partials=True, interpret=self.interpret)
-            h2, normed = add_rms_norm(h.reshape(-1, h.shape[-1]), parts, norm_stack, layer, eps=eps,
-                                      interpret=self.interpret)
+            D = h.shape[-1]
+            # with LoRA rows the GEMV also writes the shrink columns (the kernel reads the first D); else D only
+            parts = gemv(y.reshape(-1, y.shape[-1]), stacked, layer, partials=True, n=None if lora else D,
+                         interpret=self.interpret)
+            h2 = h.reshape(-1, D)
+            if lora is not None and parts.shape[-1] > D:
+                h2 = lora(h2, jnp.sum(parts[..., D:], axis=0))
+            h2, normed = add_rms_norm(h2, parts, norm_stack, layer, eps=eps, interpret=self.interpret)
             return h2.reshape(h.shape), normed.reshape(h.shape)
-        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias)
+        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias, lora)
 
 
 def make(kind, interpret: bool | None = None) -> PlainMatmul:
