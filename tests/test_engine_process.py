@@ -146,7 +146,7 @@ def test_64_streams_with_cancels_and_aborts_free_every_page(proc_srv):
 
             async def one(i):
                 req = pb.GenerateRequest(text=PROMPTS[i % 4], request_id=f"r{i}", sampling=pb.SamplingParams(
-                    max_tokens=48, temperature=0.8, seed=i, ignore_eos=True))
+                    max_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
                 call = astub.Generate(req, timeout=120)
                 n = 0
                 async for m in call:
