@@ -130,7 +130,7 @@ def _soak(llm, seconds: float) -> None:
     print(f"soak {seconds:.0f} s: {sum(outcomes.values())} calls {dict(outcomes)}; RSS {rss['early'] / 2**20:.0f} -> "
           f"{rss['end'] / 2**20:.0f} MiB")
     assert s.num_compiles == compiles, "compiled while serving"
-    assert sum(outcomes.values()) > 10 * CLIENTS  # the mix really ran
+    assert sum(outcomes.values()) > 5 * CLIENTS  # the mix really ran (several calls a client, even on a busy CPU)
     assert {k for k, _ in outcomes} >= {"plain", "cancel", "abort", "regex", "json", "choice", "hostile"}
     assert rss["end"] <= 1.10 * rss["early"], f"RSS grew {rss['end'] / rss['early'] - 1:.0%} after the first third"
 
