@@ -285,12 +285,6 @@ class LLM:
         with self._engine_lock:
             return self.engine.loras.listing()
 
-    def _unknown_lora(self, name: str) -> str:
-        if not self.engine.loras.slots:
-            return f"lora={name!r}: LoRA is off for this engine (create it with max_loras=N and load_lora)"
-        known = ", ".join(repr(e["name"]) for e in self.engine.loras.listing()) or "none"
-        return f"unknown LoRA adapter {name!r} (loaded: {known})"
-
     def wait_until_ready(self, timeout: float | None = None) -> bool:
         """Block until every step shape is compiled (warmup="background" compiles them while serving); True once
         they are, False if `timeout` seconds pass first. After it, no request compiles anything."""
@@ -474,7 +468,7 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
             if p.lora is not None and p.lora not in self.engine.loras:
-                raise ValueError(self._unknown_lora(p.lora))
+                raise ValueError(self.engine.loras.unknown(p.lora))
             constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
             with self._lock:
                 seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))

@@ -83,10 +83,16 @@ class LoraSlots:
         """A reference on the adapter's slot for one sequence: (slot index, load key). ValueError if not loaded."""
         slot = self._by_name.get(name)
         if slot is None:
-            known = ", ".join(map(repr, sorted(self._by_name))) or "none"
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+            raise ValueError(self.unknown(name))
         slot.refs += 1
         return slot.index, slot.key
+
+    def unknown(self, name: str) -> str:
+        """Why a request naming `name` is refused (it is not loaded, or LoRA is off)."""
+        if not self.slots:
+            return f"lora={name!r}: LoRA is off for this engine (create it with max_loras=N and load_lora)"
+        known = ", ".join(map(repr, sorted(self._by_name))) or "none"
+        return f"unknown LoRA adapter {name!r} (loaded: {known})"
 
     def release(self, index: int) -> None:
         slot = self.slots[index]
