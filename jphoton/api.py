@@ -26,6 +26,7 @@ from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
+from jphoton.models.tensor_parallel import kv_heads, make_mesh
 from jphoton.params import Completion, SamplingParams, short, text_size_error
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
@@ -80,14 +81,21 @@ class LLM:
         compiles.install()
         if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
             compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
+        tp = cfg.tensor_parallel_size
         if isinstance(model, JaxModel):
+            if (model.tensor_parallel[0].size if model.tensor_parallel else 1) != tp:
+                raise ValueError(f"tensor_parallel_size={tp}: build the JaxModel with llama_family(..., "
+                                 f"tensor_parallel_size={tp}) (a model's forward must be written per shard)")
             self.model = model
         else:
-            loaded = load_model(model, cfg.dtype, cache=cfg.cache_converted, progress=cfg.progress)
             k = cfg.kernels
+            # random weights are made in the serving layout, on their shards (a model larger than one device)
+            loaded = load_model(model, cfg.dtype, cache=cfg.cache_converted, progress=cfg.progress,
+                                mesh=make_mesh(tp) if tp > 1 else None, serving_layout=True,
+                                per_layer=k.unroll_layers)
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
                                       unroll_layers=k.unroll_layers, moe_backend=k.moe_backend, matmul=k.matmul,
-                                      fuse=True)
+                                      fuse=True, tensor_parallel_size=tp)
         self.config = self.model.config  # the model's config (ModelConfig); the engine's is `engine_config`
         self.tokenizer = self.model.tokenizer
         if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer
@@ -579,14 +587,18 @@ def _describe(cfg: EngineConfig, kv_bytes: int) -> str:
     mm = matmul.resolve(k.matmul) if isinstance(k.matmul, str) else type(k.matmul).__name__
     return (f"{cfg.num_kv_pages} KV pages x {cfg.page_size} tokens ({kv_bytes / 2**20:.1f} MiB), pipeline depth "
             f"{cfg.pipeline_depth}, max_model_len {cfg.max_model_len}, attention: {attention}, matmul {mm}, "
-            f"layers {'unrolled' if k.unroll_layers else 'scanned'}, buckets: decode {b.decode}, prefill {b.prefill}, "
+            f"layers {'unrolled' if k.unroll_layers else 'scanned'}, "
+            f"{f'tensor parallel over {cfg.tensor_parallel_size} devices, ' if cfg.tensor_parallel_size > 1 else ''}"
+            f"buckets: decode {b.decode}, prefill {b.prefill}, "
             f"context {b.context}")
 
 
 def _default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:
     """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
     dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
-    page_bytes = 2 * model_cfg.num_layers * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * dtype_bytes
+    tp = cfg.tensor_parallel_size  # each device holds its shards' KV heads of every page
+    heads = kv_heads(model_cfg, tp) // tp
+    page_bytes = 2 * model_cfg.num_layers * cfg.page_size * heads * model_cfg.head_dim * dtype_bytes
     wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.page_size)
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:

@@ -86,6 +86,8 @@ def _add_lora_args(p: argparse.ArgumentParser, serve: bool) -> None:
         p.add_argument("--max-loras", type=_int_in(0), default=None,
                        help="LoRA adapter slots (default: the number of --lora flags; 0 = LoRA off)")
     p.add_argument("--max-lora-rank", type=_int_in(1), default=16, help="largest adapter rank the slots hold")
+    p.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, metavar="N",
+                   help="shard the model over N local devices (docs/tensor-parallel.md)")
 
 
 def build_llm(model, loras: tuple[tuple[str, str], ...] = (), **options):
@@ -143,7 +145,8 @@ def _cmd_generate(args) -> int:
     # chunk size, one decode shape) rather than a warm-up of shapes it would never use.
     lora_options = dict(max_loras=1, max_lora_rank=args.max_lora_rank) if lora else {}
     llm = build_llm(args.model, tuple(args.lora), dtype=args.dtype, progress=True, warmup="off",
-                    pipeline_depth=args.pipeline_depth, moe_backend=args.moe_backend, **lora_options)
+                    pipeline_depth=args.pipeline_depth, moe_backend=args.moe_backend,
+                    tensor_parallel_size=args.tensor_parallel_size, **lora_options)
     if llm.tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
     if args.raw:
@@ -206,7 +209,8 @@ def _cmd_serve(args) -> int:
     build = functools.partial(build_llm, args.model, tuple(args.lora), dtype=args.dtype,
                               pipeline_depth=args.pipeline_depth, max_num_seqs=args.max_num_seqs,
                               max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
-                              max_loras=max_loras, max_lora_rank=args.max_lora_rank, **limits)
+                              max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+                              tensor_parallel_size=args.tensor_parallel_size, **limits)
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,

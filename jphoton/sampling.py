@@ -51,7 +51,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Array:
+def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array, first_column=0) -> jax.Array:
     """Gumbel noise [B, V], a pure function of (the row's key, its output index, the vocabulary position).
 
     A counter-based hash, not threefry: Gumbel-max draws one number per vocabulary entry of every row at every step, and
@@ -59,11 +59,12 @@ def _gumbel(logits: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Arr
     step goes at B=128"). Here each row gets two stream keys mixed from its 64-bit key and output index (once per row),
     and each entry two finalizer rounds of its column index under them; the top 23 bits make the uniform. Sampling needs
     well-spread, independent-looking uniforms, not a cryptographic generator (the distribution tests in
-    tests/test_sampling.py check the draws against the softmax)."""
+    tests/test_sampling.py check the draws against the softmax). first_column: the vocabulary position of logits'
+    column 0 (a tensor-parallel shard's slice draws the unsharded noise of its columns)."""
     kd = key_data.astype(jnp.uint32)
     stream_a = _fmix32(kd[:, 0] ^ _fmix32(kd[:, 1] + index.astype(jnp.uint32) * jnp.uint32(_GOLDEN)))
     stream_b = _fmix32(stream_a ^ jnp.uint32(0x5BD1E995))
-    col = jnp.arange(logits.shape[-1], dtype=jnp.uint32)[None, :]
+    col = (jnp.arange(logits.shape[-1], dtype=jnp.uint32) + jnp.asarray(first_column).astype(jnp.uint32))[None, :]
     h = _fmix32(_fmix32(col * jnp.uint32(_GOLDEN) + stream_a[:, None]) ^ stream_b[:, None])
     return -jnp.log(-jnp.log(_open_uniform(h)))
 
@@ -77,13 +78,26 @@ def _open_uniform(h: jax.Array) -> jax.Array:
     return ((h >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def sample_plain(logits: jax.Array, temperature: jax.Array, key_data: jax.Array, index: jax.Array) -> jax.Array:
+def sample_plain(logits: jax.Array, temperature: jax.Array, key_data: jax.Array, index: jax.Array, tp=None
+                 ) -> jax.Array:
     """Greedy rows (temperature 0) and plain temperature sampling (Gumbel-max), no filters. logits [B, V] float32;
     temperature [B]; key_data [B, 2] uint32; index [B] int32 (which output token this is). -> int32 [B].
     No data-dependent control flow: on GPU a conditional makes XLA sync the host, so filtered sampling is a separate
-    executable (`sample`) that the runner dispatches only for steps that need it."""
+    executable (`sample`) that the runner dispatches only for steps that need it.
+    tp: inside `shard_map`, logits are this shard's vocabulary slice [B, V/N] (models/tensor_parallel.py): each shard
+    draws the unsharded noise of its columns and the argmax runs across shards (its winners gathered, [N, B] values
+    and ids: no full-logit gather); the tokens are those of the unsharded sampler."""
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    return _argmax_or_greedy(logits, scaled + _gumbel(logits, key_data, index), temperature)
+    if tp is None:
+        return _argmax_or_greedy(logits, scaled + _gumbel(logits, key_data, index), temperature)
+    first = tp.index() * logits.shape[-1]
+    scores = jnp.where((temperature > 0)[:, None], scaled + _gumbel(logits, key_data, index, first), logits)
+    local = jnp.argmax(scores, axis=-1)
+    best = jnp.take_along_axis(scores, local[:, None], axis=-1)[:, 0]
+    values = jax.lax.all_gather(best, tp.axis)  # [N, B]
+    ids = jax.lax.all_gather(local.astype(jnp.int32) + first.astype(jnp.int32), tp.axis)
+    winner = jnp.argmax(values, axis=0)  # the first shard holding the maximum: the unsharded argmax's first index
+    return jnp.take_along_axis(ids, winner[None, :], axis=0)[0]
 
 
 def _argmax_or_greedy(logits: jax.Array, noisy: jax.Array, temperature: jax.Array) -> jax.Array:

@@ -76,6 +76,8 @@ class EngineConfig:
     # compiled), each of rank up to max_lora_rank (a lower rank is zero-padded)
     max_loras: int = 0
     max_lora_rank: int = 16
+    # shard the model over this many local devices (Megatron tensor parallelism, docs/tensor-parallel.md)
+    tensor_parallel_size: int = 1
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
@@ -103,6 +105,7 @@ class EngineConfig:
         positive_int("page_size", self.page_size)
         positive_int("num_kv_pages", self.num_kv_pages, allow_none=True)
         positive_int("max_lora_rank", self.max_lora_rank)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer (0: LoRA off), got {self.max_loras!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jphoton.constraints import mask_words
 from jphoton.engine.config import EngineConfig
@@ -32,9 +34,14 @@ from jphoton.engine.step import (
 )
 from jphoton.engine.telemetry import StepRecord
 from jphoton.models import lora as lora_lib
+from jphoton.models import tensor_parallel
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
+
+# Tensor parallelism: the KV pool [L, slots, Hkv, hd] is sharded by KV head, the logits buffers [R, V] by vocabulary.
+_KV_SPEC = P(None, None, tensor_parallel.AXIS, None)
+_LOGITS_SPEC = P(None, tensor_parallel.AXIS)
 
 
 def _input_transfer():
@@ -70,27 +77,39 @@ class Runner:
         # Every device buffer is *committed* to the device: jit keys its cache on committedness, and a step fed an
         # uncommitted buffer at warm-up and a committed one while serving would compile twice.
         self.device = jax.devices()[0]
+        # Tensor parallelism (models/tensor_parallel.py): params arrive placed on the mesh, the KV pool is sharded by
+        # KV head and the logits buffers by vocabulary, every other buffer is replicated; the step runs under shard_map.
+        self.tp, self.mesh = model.tensor_parallel or (None, None)
+        if self.tp is not None and self.lora_enabled:
+            raise ValueError("max_loras > 0 with tensor_parallel_size > 1 is not supported yet (LoRA slots are not "
+                             "sharded); serve adapters on one device")
+        if self.tp is None:
+            on_device = jax.sharding.SingleDeviceSharding(self.device)
+            kv_sharding = logits_sharding = on_device
+            kv_heads = cfg.num_kv_heads
+        else:
+            on_device = NamedSharding(self.mesh, P())  # replicated
+            kv_sharding = NamedSharding(self.mesh, _KV_SPEC)
+            logits_sharding = NamedSharding(self.mesh, _LOGITS_SPEC)
+            kv_heads = tensor_parallel.kv_heads(cfg, self.tp.size)
+        self._sharding = on_device
         if self.lora_enabled:  # q|k|v's and gate|up's LoRA A ride in extra columns of the base weights (models/lora.py)
             lora_lib.extend_params(cfg, model.params, config.max_loras, config.max_lora_rank)
-        self.params = jax.device_put(model.params, self.device)
+        self.params = jax.device_put(model.params, self.device) if self.tp is None else model.params
         dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
         slots = (num_pages + 1) * page_size  # +1: the trash page that padding writes to
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (self._zeros(shape, dtype), self._zeros(shape, dtype))
-        self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+        shape = (cfg.num_layers, slots, kv_heads, cfg.head_dim)
+        self.kv = (self._zeros(shape, dtype, kv_sharding), self._zeros(shape, dtype, kv_sharding))
+        self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize  # all shards together
         K = self.max_logprobs
         self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32),
-                                 self._zeros((max_rows, cfg.vocab_size), jnp.float32),
+                                 self._zeros((max_rows, cfg.vocab_size), jnp.float32, logits_sharding),
                                  self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
         self._next_slot = 0
         self.input_transfers = 0  # host->device copies of step and sampler inputs (telemetry; tests check the count)
         self._prev_tokens = self.slots[1].tokens  # the last dispatched step's tokens: the next step's carry-over
         self._layouts: dict[StepShape, StepLayout] = {}
-        # Shardings pinned on both jits: a step input that arrives as a host array (usual) and one that arrives as a
-        # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
-        # device argument and an uncommitted host one compile twice.
-        on_device = jax.sharding.SingleDeviceSharding(self.device)
         # LoRA slot weights (models/lora.py), in the params' layer layout; None when LoRA is off.
         self.lora_weights = None
         if self.lora_enabled:
@@ -103,8 +122,20 @@ class Runner:
             self._write_inline = jax.jit(functools.partial(lora_lib.write_inline, base=lora_lib.base_columns(cfg)),
                                          donate_argnums=(0,), in_shardings=on_device, out_shardings=on_device)
         step = functools.partial(engine_step, model.forward, model.logits, self.static)
-        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
-                                out_shardings=on_device)
+        # Shardings pinned on the jits: a step input that arrives as a host array (usual) and one that arrives as a
+        # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
+        # device argument and an uncommitted host one compile twice.
+        if self.tp is None:
+            jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
+                                    out_shardings=on_device)
+        else:
+            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            kv_shardings = (kv_sharding, kv_sharding)
+            jit = functools.partial(
+                jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5),
+                in_shardings=(param_shardings, kv_shardings, on_device, on_device, logits_sharding, on_device, None),
+                out_shardings=(on_device, logits_sharding, kv_shardings))
+            step = self._sharded_step(step, tensor_parallel.param_specs(self.params))
         # Step variants by (filtered, lora). Decode steps whose rows ask for top-k / top-p sample inside the step with
         # a filtered variant (one launch, not two); steps with a row that uses a LoRA adapter run a LoRA variant (the
         # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
@@ -114,16 +145,16 @@ class Runner:
         # None: compile on demand (no warm-up); else the shapes whose filtered variants are compiled so far (Warmup
         # fills it), and a step whose variant is not ready yet samples through the second sampler instead.
         self.filtered_ready: set[StepShape] | None = None
-        self._resample = jax.jit(resample, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
-                                 in_shardings=on_device, out_shardings=on_device)
+        resample_fn = resample if self.tp is None else self._sharded_resample()
+        resample_in = on_device if self.tp is None else (logits_sharding, *[on_device] * 5)
+        self._resample = jax.jit(resample_fn, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
+                                 in_shardings=resample_in, out_shardings=on_device)
         self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
         self._last_launched: DecodeSlot | None = None
-        # Abstract arguments for ahead-of-time compiles (shape, dtype, sharding of the live buffers).
-        self._sharding = on_device
 
-        def spec(a):
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)
+        def spec(a):  # abstract arguments for ahead-of-time compiles (shape, dtype, sharding of the live buffers)
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
 
         slot = self.slots[0]
         self._step_specs = (jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv), spec(slot.tokens),
@@ -141,9 +172,45 @@ class Runner:
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
                                spec(self.carrier))
 
-    def _zeros(self, shape, dtype) -> jax.Array:
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding or self._sharding)()
+
+    def _sharded_step(self, step, param_specs):
+        """The engine step as one program over the mesh: `engine_step` runs per shard (models/tensor_parallel.py).
+        One shard-mapped function per (shape, variant), kept: a new one per trace would miss JAX's tracing and
+        lowering caches, and a step compiled at warm-up would compile again when first called."""
+        tp, mesh = self.tp, self.mesh
+        kv_specs = (_KV_SPEC, _KV_SPEC)
+
+        @functools.cache
+        def program(shape, filtered, lora):
+            return jax.shard_map(functools.partial(step, shape, filtered=filtered, lora=lora, tp=tp), mesh=mesh,
+                                 in_specs=(param_specs, kv_specs, P(), P(), _LOGITS_SPEC, P()),
+                                 out_specs=(P(), _LOGITS_SPEC, kv_specs), check_vma=False)
+
+        def sharded(shape, params, kv, prev_tokens, out_tokens, out_logits, packed, lora_weights=None, *,
+                    filtered=False, lora=False):
+            return program(shape, filtered, lora)(params, kv, prev_tokens, out_tokens, out_logits, packed)
+
+        return sharded
+
+    def _sharded_resample(self):
+        """The second sampler over vocabulary-sharded logits: gathered first (grammar masks, filters and logprobs
+        read whole rows; only steps that need this sampler pay the gather)."""
+        tp, mesh = self.tp, self.mesh
+
+        @functools.cache
+        def program(filtered, num_logprobs, masked, count):
+            def body(logits, *rest):
+                return resample(filtered, num_logprobs, masked, tp.gather_vocab(logits), *rest)
+
+            return jax.shard_map(body, mesh=mesh, in_specs=(_LOGITS_SPEC, *[P()] * count),
+                                 out_specs=(P(), P(), P(), P()), check_vma=False)
+
+        def sharded(filtered, num_logprobs, masked, logits, *rest):
+            return program(filtered, num_logprobs, masked, len(rest))(logits, *rest)
+
+        return sharded
 
     def layout(self, shape: StepShape) -> StepLayout:
         if shape not in self._layouts:
@@ -348,6 +415,7 @@ class Runner:
         # One more host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.
         feeds_next = self._prev_tokens is slot.tokens
         with _input_transfer():
+            buffer = self._on_mesh(buffer)
             slot.tokens, slot.logprobs, slot.top_ids, self.carrier = self._resample(
                 *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, buffer)
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
@@ -361,12 +429,21 @@ class Runner:
             record.t_put = time.perf_counter()
         step = self._steps[filtered, lora]
         with _input_transfer():
+            packed = self._on_mesh(packed)
             # (the base program takes no LoRA weights: each pytree leaf costs the dispatch time, ~100 leaves here)
             slot.tokens, slot.logits, self.kv = step(shape, self.params, self.kv, self._prev_tokens, slot.tokens,
                                                      slot.logits, packed, self.lora_weights if lora else None)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
+
+    def _on_mesh(self, host: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+        """Under tensor parallelism a host input is put on the mesh first: a jitted call given a host array and one
+        given a device array (the grammar sampler's carrier) would otherwise be two executables, only one of them
+        compiled at warm-up (on one device they share one)."""
+        if self.tp is None or not isinstance(host, np.ndarray):
+            return host
+        return jax.device_put(host, self._sharding)
 
     # ---- measurement -----------------------------------------------------------------------------------------------
     def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False,
@@ -395,9 +472,9 @@ class Runner:
         if lora_rows and not self.lora_enabled:
             raise ValueError("lora_rows needs an engine with max_loras > 0")
         views["d_lora"][:min(lora_rows, bucket)] = np.arange(min(lora_rows, bucket)) % max(self.static.lora_slots, 1)
-        packed = jax.device_put(views["_buffer"], self.device)
+        packed = jax.device_put(views["_buffer"], self._sharding)
         variant = SamplerVariant(False, 0, True)
-        sampler = jax.device_put(self._sampler_input(variant).buffer, self.device) if masked_sampler else None
+        sampler = jax.device_put(self._sampler_input(variant).buffer, self._sharding) if masked_sampler else None
 
         def run(n):
             for _ in range(n):

@@ -86,14 +86,17 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
                 prev_tokens, out_tokens, out_logits, packed, lora_weights=None, *, filtered: bool = False,
-                lora: bool = False):
+                lora: bool = False, tp=None):
     """Returns (out_tokens, out_logits, kv). prev_tokens is the previous step's token output (read for carry-over,
     never donated); the output buffers and kv are donated and come back updated in place. The logits of every row
     stay on the device for a later sampler (logprobs, grammar masks, filters of a step without a filtered variant).
     filtered: sample with each row's top-k / top-p (`sampling.sample`) instead of the plain sampler, so that such a
     step needs no second sampler launch (a decode step's variant; docs/decisions.md).
     lora: the step's LoRA variant, for steps with a row that uses an adapter: each token gets its row's slot's update
-    from `lora_weights` (models/lora.py); steps with none run the base program (no LoRA op in it)."""
+    from `lora_weights` (models/lora.py); steps with none run the base program (no LoRA op in it).
+    tp: one shard of a tensor-parallel step, inside shard_map (models/tensor_parallel.py; the runner wraps it): the
+    forward and logits are the shard's, kv and out_logits its slices (KV heads, vocabulary); the sampler reduces across
+    shards and every shard writes the same tokens."""
     f = StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
@@ -158,10 +161,11 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         hidden = hidden[last]
     # a decode-only step's rows are its tokens: no gather (XLA kept the identity gather as a kernel of its own)
     logits = logits_fn(params, hidden)
-    if filtered:
-        tokens_out = sample(logits, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+    if filtered:  # (top-k / top-p over the whole vocabulary: a shard's logits are gathered first)
+        full = logits if tp is None else tp.gather_vocab(logits)
+        tokens_out = sample(full, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
     else:
-        tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"])
+        tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"], tp=tp)
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
     return out_tokens, out_logits, kv

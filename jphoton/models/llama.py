@@ -40,7 +40,7 @@ import numpy as np
 
 from jphoton.config import ModelConfig
 from jphoton.models import lora as lora_lib
-from jphoton.models import qwen3_moe
+from jphoton.models import qwen3_moe, tensor_parallel
 from jphoton.models.decoder import Attend, Params, attention_projections
 from jphoton.models.layers import rms_norm, rope_inv_freq, silu_mul
 from jphoton.models.matmul import PlainMatmul, swiglu_of
@@ -116,6 +116,8 @@ def fuse_params(cfg: ModelConfig, params: Params, *, consume: bool = False) -> P
                 src.pop(p, None)
         if all(isinstance(a, np.ndarray) for a in arrays):
             layers[fused] = np.concatenate(arrays, axis=-1)
+        elif tensor_parallel.is_sharded(arrays[0]):  # column-parallel parts: shard s of the result is [q_s | k_s | v_s]
+            layers[fused] = tensor_parallel.concat_shards(arrays)
         else:
             layers[fused] = jnp.concatenate(arrays, axis=-1)
         del arrays
@@ -162,7 +164,8 @@ def _split_leading(a: jax.Array) -> tuple[jax.Array, ...]:
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any,
             attend: Attend, unroll: bool = False, moe_backend: str = "auto",
-            matmul: Callable | None = None, lora: lora_lib.LoraInputs | None = None) -> tuple[jax.Array, Any]:
+            matmul: Callable | None = None, lora: lora_lib.LoraInputs | None = None,
+            tp: tensor_parallel.TensorParallel | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on `tokens` at `positions` (same shape, any leading dims, e.g. [B, T] or a flat [N]).
 
     Returns final-normed hidden states [..., D] and the updated KV state. The KV state rides in the layer loop's carry
@@ -174,11 +177,14 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     the dense layers' weight matmuls, given the layer's matrix and a stack + index for kernels, and the residual adds
     and RMSNorms after them; MoE configs ignore it. Params may be in the serving layouts (`fuse_params`,
     `unstack_layers`) or not. `lora`: per-row LoRA adapters (models/lora.py), added to every target's product; None
-    runs the base model alone (no LoRA op in the program)."""
+    runs the base model alone (no LoRA op in the program). `tp`: run as one shard of a tensor-parallel model
+    (models/tensor_parallel.py), inside `shard_map`: `cfg` and `params` are then the shard's, and the hook's `residual`
+    must all-reduce (`matmul.make(..., reduce=tp.psum)`)."""
     if cfg.num_experts:
         if lora is not None:
             raise ValueError("LoRA adapters are supported for dense Llama-family models only, not MoE")
-        return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend)
+        return qwen3_moe.forward(params, cfg, tokens, positions, kv, attend, unroll=unroll, moe_backend=moe_backend,
+                                 tp=tp)
     mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -193,7 +199,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     else:
         next_norm = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
         first_norm = layers["attn_norm"][0]
-    x = params["embed"][tokens]
+    x = embed(params["embed"], tokens, tp)
     h = rms_norm(x, first_norm, eps)
 
     def layer(carry, lp, norm_after, stacks, index, kv_layer, lw=None):
@@ -256,6 +262,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             carry = layer(carry, jax.tree.map(lambda a, i=i: a[i], layers), next_norm[i], stacks, i, i, lw)
     _, h, kv = carry
     return h, kv
+
+
+def embed(table: jax.Array, tokens: jax.Array, tp: tensor_parallel.TensorParallel | None = None) -> jax.Array:
+    """The token embeddings; vocabulary-parallel under tensor parallelism."""
+    return table[tokens] if tp is None else tp.embed(table, tokens)
 
 
 def lm_head(params: Params, hidden: jax.Array, matmul=None) -> jax.Array:

@@ -98,6 +98,9 @@ class PlainMatmul:
     """XLA dots as the model writes them; the base of the other hooks, whose methods fall back to these."""
 
     min_rows = 1
+    # Tensor parallelism (models/tensor_parallel.py): the all-reduce of a row-parallel product (O, down), run by
+    # `residual` on the float32 product before the residual add (one rounding, as the unsharded dot). None: one device.
+    reduce = None
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N] (this layer's matrix; `stacked` [L, K, N] and `layer` are for kernels)."""
@@ -115,7 +118,10 @@ class PlainMatmul:
         `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels). w may have
         more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product) adds the
         rows' LoRA updates to h first; without `lora` they are dropped."""
-        out = self(y, w, stacked, layer)
+        if self.reduce is not None:
+            out = self.reduce(jnp.dot(y, w, preferred_element_type=jnp.float32)).astype(y.dtype)
+        else:
+            out = self(y, w, stacked, layer)
         D = h.shape[-1]
         if out.shape[-1] > D:
             out, shrunk = out[..., :D], out[..., D:]
@@ -173,7 +179,8 @@ class XlaMatmul(PlainMatmul):
         return super().glu(x, w, stacked, layer, n)
 
     def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None, lora=None):
-        if self.residual_gemv and bias is None and self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS:
+        gemv_rows = self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS
+        if self.residual_gemv and self.reduce is None and bias is None and gemv_rows:
             from pallas_kernels.add_rms_norm import add_rms_norm
             from pallas_kernels.gemv import gemv
 
@@ -189,13 +196,24 @@ class XlaMatmul(PlainMatmul):
         return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias, lora)
 
 
-def make(kind, interpret: bool | None = None) -> PlainMatmul:
-    """The hook for a kind (module docstring); a hook object passes through (benchmarks build variants)."""
+def make(kind, interpret: bool | None = None, reduce=None) -> PlainMatmul:
+    """The hook for a kind (module docstring); a hook object passes through (benchmarks build variants). reduce: the
+    tensor-parallel all-reduce (`PlainMatmul.reduce`); O and down then run as XLA dots (the GEMV + add-RMSNorm path
+    has no all-reduce between its two kernels)."""
     if not isinstance(kind, str):
-        return kind
-    kind = resolve(kind)
-    if kind == "xla-plain":
+        hook = kind
+    elif (kind := resolve(kind)) == "xla-plain":
         log.info("dense matmuls: XLA (plain)")
-        return PlainMatmul()
-    fused = kind == "fused"
-    return XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS, interpret=interpret)
+        hook = PlainMatmul()
+    else:
+        fused = kind == "fused"
+        hook = XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
+                         interpret=interpret)
+    if reduce is not None:
+        if not isinstance(kind, str):
+            import copy
+
+            hook = copy.copy(hook)
+        hook.reduce = reduce
+        log.info("tensor parallel: O and down products all-reduced in float32 after an XLA dot")
+    return hook

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jphoton.config import ModelConfig
-from jphoton.models import llama, moe
+from jphoton.models import llama, moe, tensor_parallel
 from jphoton.models import matmul as matmul_hook
 
 
@@ -38,27 +38,42 @@ class JaxModel:
     min_decode_rows: int = 1
     # forward takes `lora=` (models/lora.py LoraInputs): per-row LoRA adapters (LLM(max_loras=N) needs it)
     supports_lora: bool = False
+    # (TensorParallel, Mesh) when forward / logits are one shard's functions (llama_family(tensor_parallel_size=N)):
+    # the engine runs its step under shard_map over the mesh; params are placed on it. None: one device.
+    tensor_parallel: Any = None
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
-                 moe_backend: str = "auto", matmul: str = "auto", fuse: bool = False) -> JaxModel:
+                 moe_backend: str = "auto", matmul: str = "auto", fuse: bool = False,
+                 tensor_parallel_size: int = 1) -> JaxModel:
     """The built-in families (dense Llama-likes and Qwen3-MoE); `moe_backend` picks how MoE layers run (models/moe.py).
 
     matmul: how the dense layers' weight matmuls and the LM head run, "xla", "xla-plain", "fused" or "auto"
     (models/matmul.py).
     fuse: put the params in the serving layout (`llama.fuse_params`: one QKV and one gate+up matrix per layer). It
     takes the unfused matrices out of `params["layers"]` as it builds the fused ones (device memory peaks at the
-    weights plus one fused group); pass a copy (`{**params, "layers": dict(params["layers"])}`) to keep yours."""
+    weights plus one fused group); pass a copy (`{**params, "layers": dict(params["layers"])}`) to keep yours.
+    tensor_parallel_size: N > 1 shards the model over the first N devices (models/tensor_parallel.py): params are placed
+    on the mesh (already placed leaves stay), and forward / logits become one shard's functions, which the engine runs
+    under `shard_map` (`JaxModel.tensor_parallel`); logits come out [R, V/N] per shard."""
     moe.check_backend(moe_backend)
-    mm = matmul_hook.make(matmul)
+    tp = None
+    forward_cfg = config
+    if tensor_parallel_size > 1:
+        tensor_parallel.check(config, tensor_parallel_size)
+        mesh = tensor_parallel.make_mesh(tensor_parallel_size)
+        params = tensor_parallel.shard_params(config, params, mesh)
+        tp = tensor_parallel.TensorParallel(tensor_parallel_size)
+        forward_cfg = tensor_parallel.local_config(config, tensor_parallel_size)
+    mm = matmul_hook.make(matmul, reduce=tp.psum if tp else None)
     if fuse:
         params = llama.fuse_params(config, params, consume=True)
     if unroll_layers:  # one array per layer: every layer's GEMMs are one fusion to XLA (docs/step-shapes.md)
         params = llama.unstack_layers(params, consume=True)
 
     def forward(params, tokens, positions, kv, attend, lora=None):
-        return llama.forward(params, config, tokens, positions, kv, attend, unroll=unroll_layers, moe_backend=moe_backend,
-                             matmul=mm, lora=lora)
+        return llama.forward(params, forward_cfg, tokens, positions, kv, attend, unroll=unroll_layers,
+                             moe_backend=moe_backend, matmul=mm, lora=lora, tp=tp)
 
     def logits(params, hidden):
         return llama.lm_head(params, hidden, mm)
@@ -66,4 +81,4 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
     # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
     min_rows = 1 if config.num_experts else mm.min_rows
     return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows,
-                    supports_lora=not config.num_experts)
+                    supports_lora=not config.num_experts and tp is None, tensor_parallel=(tp, mesh) if tp else None)

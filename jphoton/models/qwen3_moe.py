@@ -23,15 +23,20 @@ from jphoton.models.layers import dense, rms_norm, rope_inv_freq, swiglu
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend: Attend,
-            unroll: bool = False, moe_backend: str = "auto") -> tuple[jax.Array, Any]:
+            unroll: bool = False, moe_backend: str = "auto", tp=None) -> tuple[jax.Array, Any]:
+    """tp: run as one shard of a tensor-parallel model (models/tensor_parallel.py): each sublayer's output is this
+    shard's partial sum, all-reduced before the residual add."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    x = params["embed"][tokens]
+    x = params["embed"][tokens] if tp is None else tp.embed(params["embed"], tokens)
+    reduce = (lambda y: y) if tp is None else (lambda y: tp.psum(y.astype(jnp.float32)).astype(y.dtype))
     k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def attention(x, kv, lp, index):
         q, kk, v = attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
         o, kv = attend(q, kk, v, kv, index)
-        o = dense(o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"])
+        o = o.reshape(*x.shape[:-1], cfg.q_size)
+        o = dense(o, lp["wo"]) if tp is None else tp.psum(jnp.dot(o, lp["wo"], preferred_element_type=jnp.float32))
+        o = o.astype(x.dtype)
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o
@@ -44,16 +49,16 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             x, kv, h = attention(x, kv, lp, i)
             if i in moe_rank:  # the kernels take a stack and an index: this layer's experts as a stack of one
                 experts = jax.tree_util.tree_map(lambda a: a[None], params["moe"][moe_rank[i]])
-                x = x + moe.moe_ffn(h, experts, 0, k, norm, moe_backend)
+                x = x + reduce(moe.moe_ffn(h, experts, 0, k, norm, moe_backend))
             else:
                 mp = params["dense_mlp"][dense_rank[i]]
-                x = x + swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"])
+                x = x + reduce(swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"]))
     elif not dense_rank and not unroll:
         def layer(carry, xs):
             x, kv = carry
             lp, index = xs
             x, kv, h = attention(x, kv, lp, index)
-            return (x + moe.moe_ffn(h, params["moe"], index, k, norm, moe_backend), kv), None
+            return (x + reduce(moe.moe_ffn(h, params["moe"], index, k, norm, moe_backend)), kv), None
 
         (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.num_layers)))
     else:
@@ -61,8 +66,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             lp = jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"])
             x, kv, h = attention(x, kv, lp, i)
             if i in moe_rank:
-                x = x + moe.moe_ffn(h, params["moe"], moe_rank[i], k, norm, moe_backend)
+                x = x + reduce(moe.moe_ffn(h, params["moe"], moe_rank[i], k, norm, moe_backend))
             else:
                 mp = jax.tree_util.tree_map(lambda a, r=dense_rank[i]: a[r], params["dense_mlp"])
-                x = x + swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"])
+                x = x + reduce(swiglu(h, mp["w_gate"], mp["w_up"], mp["w_down"]))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv

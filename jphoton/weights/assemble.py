@@ -7,14 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.config import ModelConfig
+from jphoton.models import tensor_parallel as tp
 from jphoton.models.llama import layer_groups, param_shapes
 
 
 def assemble_params(cfg: ModelConfig, top: dict[str, np.ndarray], per_layer: dict[str, dict[int, np.ndarray]],
-                    dtype, source: str) -> dict:
+                    dtype, source: str, mesh=None) -> dict:
     """`top` holds embed / final_norm / lm_head; `per_layer[name][i]` holds layer i's tensor, already in our layout,
     where name is `attn_norm`, `wq`, ... for the `layers` stack and `group.name` (e.g. `moe.w_gate`) for the other
-    stacked groups (MoE models), i being the decoder layer index either way."""
+    stacked groups (MoE models), i being the decoder layer index either way. mesh: place each tensor straight onto its
+    tensor-parallel shards (models/tensor_parallel.py), never whole on one device."""
+    if mesh is not None:
+        tp.check(cfg, mesh.size)
     shapes = param_shapes(cfg)
     groups = layer_groups(cfg)
     want = {name if g == "layers" else f"{g}.{name}": (g, name) for g in groups if g in shapes for name in shapes[g]}
@@ -30,6 +34,9 @@ def assemble_params(cfg: ModelConfig, top: dict[str, np.ndarray], per_layer: dic
         if tuple(arr.shape) != tuple(want):
             raise ValueError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, config implies {tuple(want)}")
         # The cast happens on device: one host->device copy in the checkpoint's own precision.
+        if mesh is not None:
+            group, _, leaf = name.rpartition(".")
+            return tp.place(cfg, mesh, group, leaf, arr).astype(dtype)
         return jnp.asarray(arr).astype(dtype)
 
     params = {k: put(k, top[k], shapes[k]) for k in shapes if k not in groups}

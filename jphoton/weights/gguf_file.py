@@ -171,7 +171,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def load_gguf(path: pathlib.Path, dtype, progress: bool = False):
+def load_gguf(path: pathlib.Path, dtype, progress: bool = False, mesh=None):
     """-> (ModelConfig, params, Tokenizer or None)."""
     reader = open_gguf(path)
     cfg = read_config(reader, path)
@@ -205,4 +205,4 @@ def load_gguf(path: pathlib.Path, dtype, progress: bool = False):
     if unexpected:
         raise ValueError(f"{path}: tensors the llama architecture does not explain: {unexpected[:8]}")
     log.info("GGUF %s: %d tensors dequantized to float32", path.name, len(reader.tensors))
-    return cfg, assemble_params(cfg, top, per_layer, dtype, source=str(path)), tokenizer
+    return cfg, assemble_params(cfg, top, per_layer, dtype, source=str(path), mesh=mesh), tokenizer

@@ -69,7 +69,7 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def load_hf_dir(path: pathlib.Path, dtype, progress: bool = False) -> tuple[ModelConfig, dict]:
+def load_hf_dir(path: pathlib.Path, dtype, progress: bool = False, mesh=None) -> tuple[ModelConfig, dict]:
     cfg = read_config(path)
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     top: dict[str, np.ndarray] = {}
@@ -120,7 +120,7 @@ def load_hf_dir(path: pathlib.Path, dtype, progress: bool = False) -> tuple[Mode
         if not np.array_equal(top["lm_head"].T, top["embed"]):
             raise ValueError(f"{path}: config ties embeddings but lm_head.weight differs from the embedding")
         del top["lm_head"]
-    return cfg, assemble_params(cfg, top, per_layer, dtype, source=str(path))
+    return cfg, assemble_params(cfg, top, per_layer, dtype, source=str(path), mesh=mesh)
 
 
 def _add_fused_experts(per_layer, kind: str, layer: int, t: np.ndarray, cfg: ModelConfig, key: str) -> None:

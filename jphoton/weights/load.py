@@ -51,10 +51,13 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: bool | None = None,
-               progress: bool = False) -> LoadedModel:
+               progress: bool = False, mesh=None, serving_layout: bool = False, per_layer: bool = False
+               ) -> LoadedModel:
     """Load a model. `cache` (default: on for GGUF) keeps an orbax copy of the converted params, keyed by the source
     file's path, size and mtime and the dtype, so a second load skips dequantization. `None` or "embedded": the
-    embedded SmolLM2-135M-Instruct."""
+    embedded SmolLM2-135M-Instruct. mesh: place the weights on their tensor-parallel shards as they load
+    (models/tensor_parallel.py; a jphoton store or cached conversion loads onto one device and is placed after).
+    serving_layout, per_layer: random weights only, built directly in the engine's layout (weights/random_init.py)."""
     dt = resolve_dtype(dtype)
     t0 = time.perf_counter()
     if source is None or source == "embedded":
@@ -62,8 +65,10 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         name = f"embedded:{path.name}"
     elif isinstance(source, str) and source.startswith("random:"):
         cfg = parse_random_spec(source)
-        params = random_params(cfg, dt)
-        log.info("random weights %s (%s) built on %s", source, dt.name, jax.default_backend())
+        _check_mesh(cfg, mesh)
+        params = random_params(cfg, dt, fused=serving_layout, per_layer=per_layer, mesh=mesh)
+        where = f"{mesh.size} {jax.default_backend()} devices" if mesh is not None else jax.default_backend()
+        log.info("random weights %s (%s) built on %s", source, dt.name, where)
         return LoadedModel(cfg, params, None, source, dt, "random")
     else:
         path = pathlib.Path(source).expanduser()
@@ -75,7 +80,7 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         cfg, params, tok = store.load_store(path, dt)
         kind = "jphoton store"
     elif hf.is_hf_dir(path):
-        cfg, params = hf.load_hf_dir(path, dt, progress=progress)
+        cfg, params = hf.load_hf_dir(path, dt, progress=progress, mesh=mesh)
         cfg = _with_generation_eos(cfg, path)
         tok = Tokenizer.from_hf_dir(path)
         kind = "HF safetensors"
@@ -88,7 +93,7 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         else:
             from jphoton.weights import gguf_file  # gguf-py is only needed for GGUF sources
 
-            cfg, params, tok = gguf_file.load_gguf(path, dt, progress=progress)
+            cfg, params, tok = gguf_file.load_gguf(path, dt, progress=progress, mesh=mesh)
             kind = "GGUF"
             if cached is not None:
                 try:
@@ -100,9 +105,18 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
         raise ValueError(f"{path}: not a model directory (no config.json, no {store.MARKER})")
     else:
         raise ValueError(f"{path}: unrecognised model file (expected a .gguf file, a HF directory or a jphoton store)")
-    check_params(cfg, params)
+    if mesh is None:  # (placed leaves were checked one by one: replicated KV heads widen wk / wv on the mesh)
+        check_params(cfg, params)
     log.info("loaded %s from %s as %s in %.2fs", cfg.name or name, kind, dt.name, time.perf_counter() - t0)
     return LoadedModel(cfg, params, tok, name, dt, kind)
+
+
+def _check_mesh(cfg: ModelConfig, mesh) -> None:
+    """A clear error before any weight is made if the model does not shard over the mesh."""
+    if mesh is not None:
+        from jphoton.models import tensor_parallel
+
+        tensor_parallel.check(cfg, mesh.size)
 
 
 def _is_gguf(path: pathlib.Path) -> bool:

@@ -7,13 +7,15 @@ depend on weight values.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jphoton.config import ModelConfig, RopeScaling
-from jphoton.models.llama import param_shapes
+from jphoton.models import tensor_parallel as tp
+from jphoton.models.llama import FUSIONS, param_shapes
 
 _LLAMA3_SCALING = RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=8192)
@@ -63,46 +65,98 @@ def parse_random_spec(spec: str) -> ModelConfig:
     return PRESETS[name].replace(name=spec, **changes)
 
 
-def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
-    """Normal(0, 0.02) matrices, unit norms, zero biases; each leaf is generated on the device by its own small jit so
-    the peak memory stays one leaf above the weights."""
+def random_params(cfg: ModelConfig, dtype, seed: int = 0, *, fused: bool = False, per_layer: bool = False,
+                  mesh=None) -> dict:
+    """Normal(0, 0.02) matrices, unit norms, zero biases, made on the device(s) a layer at a time: the peak is the
+    weights plus one layer's leaf, however large the model (a Llama-3-70B shape on two 80 GB GPUs).
+
+    The values depend only on (seed, leaf, layer): the same seed is the same model in any layout. fused, per_layer:
+    build the serving layout directly (models/llama.py `fuse_params`, `unstack_layers`), which would otherwise need a
+    second copy of a fused group or stack at once. mesh: build each leaf sharded for tensor parallelism
+    (models/tensor_parallel.py); random bits are generated per shard (threefry is partitionable), so the values are the
+    unsharded model's."""
     shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for (path, shape), key in zip(leaves, keys, strict=True):
-        name = path[-1].key
-        kind = "ones" if name.endswith("norm") else "zeros" if name.startswith("b") else "normal"
-        out.append(_random_leaf(key, tuple(shape), jnp.dtype(dtype), kind))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    root = jax.random.key(seed)
+    dt = jnp.dtype(dtype)
+    ids: dict[tuple[str, str], int] = {}
+    for group, value in shapes.items():
+        for name in (value if isinstance(value, dict) else (None,)):
+            ids[group, name] = len(ids)
 
+    def leaf(group, name, shape, layer):
+        key = jax.random.fold_in(root, ids[group, name])
+        if layer is not None:
+            key = jax.random.fold_in(key, layer)
+        kind = "ones" if (name or group).endswith("norm") else "zeros" if (name or "").startswith("b") else "normal"
+        if mesh is None:
+            return _make_leaf(key, shape, dt, kind, None)
+        g, n = (group, name) if name is not None else ("", group)
+        axis, columns = tp.leaf_rule(g, n)
+        if tp.column_order(cfg, mesh.size, columns) is not None:  # replicated KV heads: made whole, then reordered
+            return tp.place(cfg, mesh, g, n, _make_leaf(key, shape, dt, kind, None))
+        return _make_leaf(key, shape, dt, kind, NamedSharding(mesh, tp.spec(len(shape), axis)))
 
-_SLICED_ABOVE = 2**30  # float32 bytes of a leaf above which it is filled in blocks of leading indices
+    def layer_leaf(group, name, shape, layer):
+        parts = FUSIONS.get(name) if fused and group == "layers" else None
+        if parts is None:
+            return leaf(group, name, shape, layer)
+        arrays = [leaf(group, p, shapes[group][p][1:], layer) for p in parts]
+        return tp.concat_shards(arrays) if mesh is not None else jnp.concatenate(arrays, axis=-1)
 
-
-def _random_leaf(key, shape, dtype, kind):
-    """Large leaves (stacked experts: 19 GB each for Qwen3-30B-A3B) are written a block of leading indices at a time
-    into one donated buffer, so building them never holds a float32 copy of the whole leaf."""
-    row = 4 * math.prod(shape[1:])
-    if kind != "normal" or len(shape) < 2 or row * shape[0] <= _SLICED_ABOVE:
-        return _make_leaf(key, shape, dtype, kind)
-    out = _make_leaf(key, shape, dtype, "zeros")
-    step = max(1, _SLICED_ABOVE // row)
-    for i, start in enumerate(range(0, shape[0], step)):
-        out = _set_rows(out, jnp.int32(start), jax.random.fold_in(key, i), min(step, shape[0] - start))
+    out: dict = {}
+    for group, value in shapes.items():
+        if not isinstance(value, dict):
+            out[group] = leaf(group, None, tuple(value), None)
+            continue
+        names = {n: s for n, s in value.items()}
+        if fused and group == "layers":
+            for f, parts in FUSIONS.items():
+                if all(p in names for p in parts):
+                    width = sum(names[p][-1] for p in parts)
+                    names[f] = (*names[parts[0]][:-1], width)
+                    for p in parts:
+                        del names[p]
+        L = next(iter(names.values()))[0]
+        if per_layer:
+            out[group] = tuple({n: layer_leaf(group, n, tuple(s[1:]), i) for n, s in names.items()} for i in range(L))
+            continue
+        stacked = {}
+        for n, s in names.items():
+            buf = None
+            for i in range(L):
+                part = layer_leaf(group, n, tuple(s[1:]), i)
+                if buf is None:
+                    buf = _stack_buffer(part, L)
+                buf = _set_layer(buf, jnp.int32(i), part)
+            stacked[n] = buf
+        out[group] = stacked
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def _set_rows(out, start, key, rows):
-    part = (0.02 * jax.random.normal(key, (rows, *out.shape[1:]), jnp.float32)).astype(out.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(out, part, start, 0)
+def _stack_buffer(part: jax.Array, layers: int) -> jax.Array:
+    """Zeros [layers, *part.shape], sharded as the layer `part` is (on its leading axis: not at all)."""
+    sharding = part.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec, *([None] * (part.ndim - len(sharding.spec)))))
+    return jax.jit(lambda: jnp.zeros((layers, *part.shape), part.dtype), out_shardings=sharding)()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _make_leaf(key, shape, dtype, kind):
-    if kind == "ones":
-        return jnp.ones(shape, dtype)
-    if kind == "zeros":
-        return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_layer(buf, i, part):
+    return jax.lax.dynamic_update_index_in_dim(buf, part.astype(buf.dtype), i, 0)
+
+
+@functools.cache
+def _leaf_fn(shape, dtype, kind, sharding):
+    def make(key):
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "zeros":
+            return jnp.zeros(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def _make_leaf(key, shape, dtype, kind, sharding):
+    return _leaf_fn(tuple(shape), dtype, kind, sharding)(key)
