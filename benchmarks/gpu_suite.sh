@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 SECTIONS="startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
-  host-overhead"
+  host-overhead tp-check tp-steps tp-big"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QUICK=${QUICK:-0}
 export JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
@@ -102,6 +102,20 @@ for section in "$@"; do
     kernel-profile)  # device time per XLA op / kernel of the 1B decode step at B = 2 (one request) and 32, context 512
       run kernel-profile python3 benchmarks/kernel_profile.py --model random:llama3.2-1b --rows 2 32 --ctx 512 \
         --out "$OUT/kernel-profile.json" ;;
+    # Tensor parallelism (a host with 2+ GPUs, `run` kind nvidia-h100-x2): TP=2 greedy tokens vs TP=1 (float32 and
+    # bf16, Pallas kernels per shard); Llama-3-8B shape step time B = 1, 32 and served tok/s, TP=1 vs TP=2; a
+    # Llama-3-70B shape (141 GB: no single GPU holds it) on 2 GPUs, layers scanned (compiles of 80 unrolled layers
+    # would not fit the time box), JAX allowed 95% of each GPU
+    tp-check)
+      run "$section" python3 benchmarks/tensor_parallel.py check --model random:llama3.2-1b:layers=4 --tp 2 \
+        --out "$OUT/$section.json" ;;
+    tp-steps)
+      run "$section" python3 benchmarks/tensor_parallel.py steps --model random:llama3-8b --tp 2 --batches 1 32 \
+        --out "$OUT/$section.json" ;;
+    tp-big)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run "$section" python3 benchmarks/tensor_parallel.py big \
+        --model random:llama3-70b --tp 2 --scan --batches 1 32 --max-model-len 512 --context 256 --prompt-len 64 \
+        --new-tokens 64 --out "$OUT/$section.json" ;;
     host-overhead)  # the engine's host work per decode step (plan + pack, launch, commit) at B = 1, 32, 128
       run "$section" python3 benchmarks/host_overhead.py --batch 1 32 128 --out "$OUT" ;;
     *) echo "unknown section $section (sections: $(echo $SECTIONS))"; exit 2 ;;

@@ -34,6 +34,10 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
         tie_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128009), name="random:llama3-8b"),
+    "llama3-70b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+        tie_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128009), name="random:llama3-70b"),
     # Qwen/Qwen3-30B-A3B's config.json: every layer MoE (decoder_sparse_step 1, no mlp_only_layers), 128 experts of
     # 768, top-8 renormalised; intermediate_size 6144 would only size dense layers, of which it has none.
     "qwen3-30b-a3b": ModelConfig(
