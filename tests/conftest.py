@@ -15,6 +15,10 @@ TINY_FAMILIES = ("llama2", "llama3", "smollm2", "mistral", "qwen2", "qwen3")
 
 # Before jphoton is imported anywhere: keep the test session's conversion cache out of the user's home.
 os.environ.setdefault("JPHOTON_CACHE_DIR", tempfile.mkdtemp(prefix="jphoton-test-cache-"))
+# Before jax is imported: the host platform shows 4 devices, for the tensor-parallel tests (one-device programs still
+# run on device 0 alone).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
 
 # Small bucket sets keep compiles few on 2 CPU cores; every test engine shares them.

@@ -104,8 +104,9 @@ def fuse_params(cfg: ModelConfig, params: Params, *, consume: bool = False) -> P
     group by group on their device. consume=True pops the parts out of `params["layers"]` as it goes, so that (when
     nothing else holds them) each group's parts are freed once its fused copy exists: the peak is the weights plus one
     fused group, never a second copy of the model. Already-fused params come back unchanged."""
-    del cfg
     src = params["layers"]
+    if isinstance(src, (tuple, list)):  # per-layer params (`unstack_layers`, or random weights made that way)
+        return {**params, "layers": tuple(fuse_params(cfg, {"layers": lp}, consume=consume)["layers"] for lp in src)}
     layers = dict(src)
     for fused, parts in FUSIONS.items():
         if fused in layers or not all(p in layers for p in parts):

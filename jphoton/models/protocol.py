@@ -81,4 +81,4 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
     # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
     min_rows = 1 if config.num_experts else mm.min_rows
     return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows,
-                    supports_lora=not config.num_experts and tp is None, tensor_parallel=(tp, mesh) if tp else None)
+                    supports_lora=not config.num_experts, tensor_parallel=(tp, mesh) if tp else None)

@@ -1,0 +1,124 @@
+"""Tensor parallelism (models/tensor_parallel.py, docs/tensor-parallel.md) on CPU devices: conftest.py makes the host
+platform show 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jphoton import SamplingParams
+from jphoton.models import tensor_parallel as tp
+from jphoton.models.llama import fuse_params, unstack_layers
+from jphoton.sampling import sample_plain
+from jphoton.weights.load import load_model
+from jphoton.weights.random_init import parse_random_spec, random_params
+from tests.conftest import FIXTURES, make_llm
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest.py sets XLA_FLAGS)")
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([1, 5, 9, 23, 77], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [200, 100, 50])]
+# greedy, sampled with top-k (the filtered sampler over gathered logits), sampled with logprobs (the second sampler)
+PARAMS = [SamplingParams(max_tokens=10, temperature=0.0),
+          SamplingParams(max_tokens=10, temperature=0.9, top_k=5, seed=2),
+          SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2)]
+SMALL = dict(decode_buckets=(4,), prefill_buckets=((2, 32),), max_num_batched_tokens=64)
+
+
+@functools.cache
+def _tp1(family: str):
+    llm = make_llm(FIXTURES / "tiny" / family, warmup="off", **SMALL)
+    out = llm.generate(PROMPTS, PARAMS)
+    return [o.token_ids for o in out], [o.logprobs for o in out]
+
+
+@pytest.mark.parametrize("family,size", [("llama3", 2), ("llama3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)])
+def test_tokens_equal_tp1(family, size):
+    """Dense and MoE; TP=4 with 2 KV heads replicates each KV head on two shards. Greedy, top-k and plain sampled rows
+    draw the unsharded model's tokens; logprobs agree to float32 rounding."""
+    llm = make_llm(FIXTURES / "tiny" / family, tensor_parallel_size=size, warmup="off", **SMALL)
+    runner = llm.engine.runner
+    assert runner.kv[0].sharding.spec == P(None, None, "tp", None)
+    assert runner.kv[0].shape[2] == max(llm.config.num_kv_heads, size)
+    out = llm.generate(PROMPTS, PARAMS)
+    tokens, logprobs = _tp1(family)
+    assert [o.token_ids for o in out] == tokens
+    for got, want in zip(out[2].logprobs, logprobs[2], strict=True):
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
+
+
+def test_no_compile_after_warmup_and_stats():
+    llm = make_llm(FIXTURES / "tiny" / "qwen2", tensor_parallel_size=2, **SMALL)  # tied embeddings, q/k/v biases
+    before = llm.stats()["num_compiles"]
+    llm.generate(PROMPTS, PARAMS)
+    assert llm.stats()["num_compiles"] == before
+    ref = make_llm(FIXTURES / "tiny" / "qwen2", warmup="off", **SMALL).generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == [o.token_ids for o in ref]
+
+
+def test_sharded_sampler_matches_unsharded():
+    """Each shard draws the unsharded noise of its vocabulary slice; the winner across shards is the unsharded argmax
+    (ties: the first index), for greedy and sampled rows."""
+    rng = np.random.default_rng(0)
+    R, V, n = 6, 64, 4
+    logits = rng.standard_normal((R, V)).astype(np.float32)
+    logits[0, [5, 40]] = 9.0  # a tie across shards: the first index wins
+    temperature = np.array([0, 0.7, 1.0, 0, 1.5, 0.3], np.float32)
+    key = rng.integers(0, 2**32, (R, 2), dtype=np.uint64).astype(np.uint32)
+    index = np.arange(R, dtype=np.int32)
+    want = sample_plain(jnp.asarray(logits), temperature, key, index)
+    mesh = tp.make_mesh(n)
+    shard = tp.TensorParallel(n)
+    fn = jax.shard_map(lambda lg, t, k, i: sample_plain(lg, t, k, i, tp=shard), mesh=mesh,
+                       in_specs=(P(None, "tp"), P(), P(), P()), out_specs=P(), check_vma=False)
+    got = jax.jit(fn)(logits, temperature, key, index)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(got[0]) == 5
+
+
+def test_random_weights_are_one_model_in_every_layout():
+    """random_params' values depend only on (seed, leaf, layer): the checkpoint layout fused and unstacked equals the
+    serving layout made directly, and a sharded build holds the same values (KV heads replicated at TP=4)."""
+    cfg = parse_random_spec("random:llama3.2-1b:layers=2:vocab=256").replace(hidden_size=64, intermediate_size=128,
+                                                                            num_heads=4, num_kv_heads=2, head_dim=16)
+    plain = unstack_layers(fuse_params(cfg, random_params(cfg, jnp.float32)))
+    direct = random_params(cfg, jnp.float32, fused=True, per_layer=True)
+    jax.tree.map(np.testing.assert_array_equal, plain, direct)
+    sharded = random_params(cfg, jnp.float32, fused=True, per_layer=True, mesh=tp.make_mesh(2))
+    assert sharded["layers"][0]["wqkv"].sharding.spec == P(None, "tp")
+    order = tp.column_order(cfg, 2, "qkv")  # shard order of the fused columns
+    np.testing.assert_array_equal(np.asarray(sharded["layers"][1]["wqkv"]),
+                                  np.asarray(direct["layers"][1]["wqkv"])[:, order])
+    np.testing.assert_array_equal(np.asarray(sharded["embed"]), np.asarray(direct["embed"]))
+    wide = random_params(cfg, jnp.float32, mesh=tp.make_mesh(4))  # 2 KV heads on 4 shards: each held twice
+    want = np.asarray(random_params(cfg, jnp.float32)["layers"]["wk"])[:, :, tp.column_order(cfg, 4, "kv")]
+    np.testing.assert_array_equal(np.asarray(wide["layers"]["wk"]), want)
+
+
+def test_checkpoint_loads_onto_shards():
+    """A HF checkpoint is placed tensor by tensor on its shards (never whole on one device)."""
+    mesh = tp.make_mesh(2)
+    loaded = load_model(FIXTURES / "tiny" / "llama3", "float32", mesh=mesh)
+    wq = loaded.params["layers"]["wq"]
+    assert wq.sharding.spec == P(None, None, "tp") and len(wq.sharding.device_set) == 2
+    whole = load_model(FIXTURES / "tiny" / "llama3", "float32").params["layers"]["wq"]
+    np.testing.assert_array_equal(np.asarray(wq), np.asarray(whole))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(tensor_parallel_size=8), "only 4 cpu device"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2, max_loras=1), "not supported yet"),
+])
+def test_refused_configs(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(FIXTURES / "tiny" / "llama3", warmup="off", **SMALL, **options)
+
+
+def test_model_that_does_not_divide_is_refused():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide this model's num_heads 3"):
+        make_llm(FIXTURES / "tiny" / "smollm2", tensor_parallel_size=2, warmup="off", **SMALL)
