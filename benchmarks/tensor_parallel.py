@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
@@ -37,6 +38,10 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 def check(args) -> dict:
     results = {}
     for dtype in args.dtypes:
+        # float32 is compared at full matmul precision: XLA:GPU's default runs float32 dots in TF32, whose rounding
+        # depends on how K is split (TP splits it), which alone flips near-tied argmaxes of random weights
+        precision = "highest" if dtype == "float32" else None
+        jax.config.update("jax_default_matmul_precision", precision)
         tokens = {}
         for tp in (1, args.tp):
             llm = LLM(args.model, tensor_parallel_size=tp, dtype=dtype, warmup="off", max_num_seqs=args.batch,
@@ -49,7 +54,7 @@ def check(args) -> dict:
             gc.collect()  # its weights and KV pool go before the next engine's
         first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
                  for x, y in zip(tokens[1], tokens[args.tp], strict=True)]
-        results[dtype] = {"equal": tokens[1] == tokens[args.tp], "first_divergence": first,
+        results[dtype] = {"equal": tokens[1] == tokens[args.tp], "first_divergence": first, "precision": precision,
                           "tokens_compared": sum(map(len, tokens[1]))}
         print(dtype, results[dtype], flush=True)
     return results
@@ -128,8 +133,6 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jphoton").setLevel(logging.INFO)
     info = device_info()
-    import jax
-
     info["devices"] = len(jax.devices())
     print(info, flush=True)
     result = {"check": check, "steps": steps, "big": big}[args.what](args)
