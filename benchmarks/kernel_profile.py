@@ -25,10 +25,12 @@ from benchmarks.common import QUICK, device_info, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
 
 
-def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str], list[tuple[int, int, str]]]:
+def device_events(trace_dir: str, plane_prefix: str = "/device:GPU"
+                  ) -> tuple[dict[str, dict[str, float]], list[str], list[tuple[int, int, str]]]:
     """Nanoseconds per name, summed over the trace: {"ops": XLA op spans, "kernels": stream events} on GPU planes (on
     the CPU, the XLA client thread's events under both keys, enough to test the plumbing), the line names seen, and
-    every kernel event as (start ns, duration ns, name) in time order."""
+    every kernel event as (start ns, duration ns, name) in time order. plane_prefix: which GPUs' planes (a
+    tensor-parallel step runs on several: "/device:GPU:0" keeps the first one's)."""
     from jax.profiler import ProfileData
 
     [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -37,7 +39,7 @@ def device_events(trace_dir: str) -> tuple[dict[str, dict[str, float]], list[str
                                            "kernels": collections.defaultdict(float)}
     lines_seen, kernel_events = [], []
     for plane in data.planes:
-        gpu = plane.name.startswith("/device:GPU")
+        gpu = plane.name.startswith(plane_prefix)
         if not (gpu or plane.name == "/host:CPU"):
             continue
         for line in plane.lines:
@@ -86,6 +88,7 @@ def main(argv=None):
     ap.add_argument("--llm-args", default="", help="extra LLM keyword arguments as k=v,k=v (python literals)")
     ap.add_argument("--lora-rows", type=int, default=0,
                     help="rows on LoRA slots (the LoRA variant; pass max_loras / max_lora_rank in --llm-args)")
+    ap.add_argument("--plane", default="/device:GPU", help="GPU planes read (/device:GPU:0: the first GPU only)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -114,7 +117,7 @@ def main(argv=None):
             jax.profiler.start_trace(tmp)
             llm.device_step_ms(d, context=args.ctx, steps=args.steps, lora_rows=lora)
             jax.profiler.stop_trace()
-            totals, lines, events = device_events(tmp)
+            totals, lines, events = device_events(tmp, args.plane)
         row = dict(decode_rows=d, context=args.ctx, ms_per_step=ms)
         print(f"\n== decode rows {d}, context {args.ctx}: {ms:.3f} ms/step back to back", flush=True)
         for kind in ("ops", "kernels"):
