@@ -54,6 +54,11 @@ PALLAS_MAX_ROWS = 32
 FUSED_RESIDUAL_MIN_ROWS = 17
 
 
+# Tensor parallelism: a row-parallel product (O, down) is all-reduced in float32 and rounded once, as the unsharded dot
+# rounds (False: each shard's product rounded to the activation dtype, then summed in it, as vLLM does).
+TP_REDUCE_FLOAT32 = True
+
+
 def resolve(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"matmul must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
@@ -118,8 +123,10 @@ class PlainMatmul:
         `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels). w may have
         more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product) adds the
         rows' LoRA updates to h first; without `lora` they are dropped."""
-        if self.reduce is not None:
+        if self.reduce is not None and TP_REDUCE_FLOAT32:
             out = self.reduce(jnp.dot(y, w, preferred_element_type=jnp.float32)).astype(y.dtype)
+        elif self.reduce is not None:
+            out = self.reduce(dense(y, w))
         else:
             out = self(y, w, stacked, layer)
         D = h.shape[-1]
