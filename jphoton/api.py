@@ -602,7 +602,9 @@ def _default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:
     wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.page_size)
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * cfg.kv_memory_fraction)
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        # and at least 3 GiB left for the step's temporaries (a 70B shape on two 80 GB GPUs has ~9 GB free)
+        budget = int(min(free * cfg.kv_memory_fraction, free - 3 * 2**30))
     else:
         budget = 256 * 2**20
     return max(1, min(wanted, budget // page_bytes))

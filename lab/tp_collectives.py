@@ -24,12 +24,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--label", default="")
-    ap.add_argument("--reduce-bf16", action="store_true", help="all-reduce the products in the activation dtype")
     args = ap.parse_args()
-    if args.reduce_bf16:
-        from jphoton.models import matmul
-
-        matmul.TP_REDUCE_FLOAT32 = False
     llm = LLM(args.model, tensor_parallel_size=args.tp, warmup="off", max_num_seqs=max(args.batches),
               max_model_len=2 * args.context, kv_memory_fraction=0.3, progress=False)
     out = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "tp": args.tp}

@@ -54,11 +54,6 @@ PALLAS_MAX_ROWS = 32
 FUSED_RESIDUAL_MIN_ROWS = 17
 
 
-# Tensor parallelism: a row-parallel product (O, down) is all-reduced in float32 and rounded once, as the unsharded dot
-# rounds (False: each shard's product rounded to the activation dtype, then summed in it, as vLLM does).
-TP_REDUCE_FLOAT32 = True
-
-
 def resolve(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"matmul must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
@@ -104,7 +99,8 @@ class PlainMatmul:
 
     min_rows = 1
     # Tensor parallelism (models/tensor_parallel.py): the all-reduce of a row-parallel product (O, down), run by
-    # `residual` on the float32 product before the residual add (one rounding, as the unsharded dot). None: one device.
+    # `residual` on the product in the activation dtype (float32 products were 7% slower per step at B=32 on two
+    # H100s, docs/decisions.md). None: one device.
     reduce = None
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
@@ -123,9 +119,7 @@ class PlainMatmul:
         `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels). w may have
         more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product) adds the
         rows' LoRA updates to h first; without `lora` they are dropped."""
-        if self.reduce is not None and TP_REDUCE_FLOAT32:
-            out = self.reduce(jnp.dot(y, w, preferred_element_type=jnp.float32)).astype(y.dtype)
-        elif self.reduce is not None:
+        if self.reduce is not None:  # each shard's product in the activation dtype, summed in it (as vLLM does)
             out = self.reduce(dense(y, w))
         else:
             out = self(y, w, stacked, layer)
@@ -222,5 +216,5 @@ def make(kind, interpret: bool | None = None, reduce=None) -> PlainMatmul:
 
             hook = copy.copy(hook)
         hook.reduce = reduce
-        log.info("tensor parallel: O and down products all-reduced in float32 after an XLA dot")
+        log.info("tensor parallel: O and down products all-reduced after an XLA dot")
     return hook

@@ -28,15 +28,14 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     shard's partial sum, all-reduced before the residual add."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens] if tp is None else tp.embed(params["embed"], tokens)
-    reduce = (lambda y: y) if tp is None else (lambda y: tp.psum(y.astype(jnp.float32)).astype(y.dtype))
+    reduce = (lambda y: y) if tp is None else tp.psum  # a sublayer's partial sums, in the activation dtype
     k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def attention(x, kv, lp, index):
         q, kk, v = attention_projections(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, inv_freq)
         o, kv = attend(q, kk, v, kv, index)
         o = o.reshape(*x.shape[:-1], cfg.q_size)
-        o = dense(o, lp["wo"]) if tp is None else tp.psum(jnp.dot(o, lp["wo"], preferred_element_type=jnp.float32))
-        o = o.astype(x.dtype)
+        o = reduce(dense(o, lp["wo"]))
         if cfg.o_bias:
             o = o + lp["bo"]
         x = x + o

@@ -7,7 +7,7 @@ arrays as they would a smaller model's):
                    slice of the MLP, and a fused matrix is the concatenation of each part's shard (shard s of wqkv is
                    [q_s | k_s | v_s]), so every shard splits its own product exactly as the unsharded model does
   row-parallel     wo and w_down: each shard's product is a partial sum, added up by one all-reduce per sublayer
-                   (`TensorParallel.psum`, in float32, rounded once as the unsharded dot rounds)
+                   (`TensorParallel.psum`, in the activation dtype)
   KV heads         sharded with the q heads that read them; with fewer KV heads than shards each is replicated on the
                    N / Hkv shards whose q heads read it (vLLM's rule); the paged KV pool is sharded by head
   vocabulary       embedding rows and LM-head columns: the lookup is masked per shard and summed; logits stay sharded
