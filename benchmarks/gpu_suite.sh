@@ -106,7 +106,7 @@ for section in "$@"; do
     # bf16, Pallas kernels per shard); Llama-3-8B shape step time B = 1, 32 and served tok/s, TP=1 vs TP=2; a
     # Llama-3-70B shape (141 GB: no single GPU holds it) on 2 GPUs; JAX may take 93% of each GPU, as it needs it: the
     # rest is CUDA's, NCCL's and the all-reduce kernels' (at 95% they found none; preallocating 92% left the KV pool
-    # none)
+    # none); prefill chunks of at most 128 tokens (with 512 a B = 32 run ran out of memory: compiles need some too)
     tp-check)
       run "$section" python3 benchmarks/tensor_parallel.py check --model random:llama3.2-1b:layers=4 --tp 2 \
         --out "$OUT/$section.json" ;;
@@ -116,7 +116,8 @@ for section in "$@"; do
     tp-big)
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 run "$section" \
         python3 benchmarks/tensor_parallel.py big --model random:llama3-70b --tp 2 --batches 1 32 --max-model-len 512 \
-        --context 256 --prompt-len 64 --new-tokens 64 --out "$OUT/$section.json" ;;
+        --context 256 --prompt-len 64 --new-tokens 64 --max-num-batched-tokens 128 --served-batches ${TP_BIG_SERVED:-1 32} \
+        --out "$OUT/$section.json" ;;
     host-overhead)  # the engine's host work per decode step (plan + pack, launch, commit) at B = 1, 32, 128
       run "$section" python3 benchmarks/host_overhead.py --batch 1 32 128 --out "$OUT" ;;
     *) echo "unknown section $section (sections: $(echo $SECTIONS))"; exit 2 ;;

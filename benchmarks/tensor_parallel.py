@@ -97,7 +97,8 @@ def steps(args) -> dict:
 def big(args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, warmup="off", max_num_seqs=max(args.batches),
-              max_model_len=args.max_model_len, **({"unroll_layers": False} if args.scan else {}))
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              **({"unroll_layers": False} if args.scan else {}))
     load_s = time.perf_counter() - t0
     mem = [d.memory_stats() or {} for d in llm.engine.runner.mesh.devices.flat] if args.tp > 1 else []
     print(f"loaded in {load_s:.1f} s; per device bytes in use:", [m.get("bytes_in_use") for m in mem], flush=True)
@@ -108,7 +109,7 @@ def big(args) -> dict:
         llm.device_step_ms(b, context=args.context, steps=3)
         res["step_ms"][b] = llm.device_step_ms(b, context=args.context, steps=args.steps)
         print(f"B={b} step {res['step_ms'][b]:.3f} ms", flush=True)
-    res["served"] = _served(llm, args.batches, args.prompt_len, args.new_tokens)
+    res["served"] = _served(llm, args.served_batches or args.batches, args.prompt_len, args.new_tokens)
     return res
 
 
@@ -126,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024, help="big: context length")
     ap.add_argument("--scan", action="store_true", help="big: scanned layers (shorter compiles)")
+    ap.add_argument("--served-batches", type=int, nargs="*", default=None, help="big: served runs (default: --batches)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="big: tokens per step (prefill chunks)")
     ap.add_argument("--out", default="tensor_parallel.json")
     args = ap.parse_args(argv)
     if QUICK:
