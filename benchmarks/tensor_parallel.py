@@ -15,6 +15,7 @@ big: a model too large for one device loads on N and serves: load time, step tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import statistics
@@ -41,14 +42,14 @@ def check(args) -> dict:
         # float32 is compared at full matmul precision: XLA:GPU's default runs float32 dots in TF32, whose rounding
         # depends on how K is split (TP splits it), which alone flips near-tied argmaxes of random weights
         precision = "highest" if dtype == "float32" else None
-        jax.config.update("jax_default_matmul_precision", precision)
         tokens = {}
         for tp in (1, args.tp):
-            llm = LLM(args.model, tensor_parallel_size=tp, dtype=dtype, warmup="off", max_num_seqs=args.batch,
-                      max_model_len=args.prompt_len + args.new_tokens, kv_memory_fraction=0.3, freeze_gc=False)
-            prompts = _prompts(llm.config.vocab_size, args.batch, args.prompt_len)
-            out = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
+            with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+                llm = LLM(args.model, tensor_parallel_size=tp, dtype=dtype, warmup="off", max_num_seqs=args.batch,
+                          max_model_len=args.prompt_len + args.new_tokens, kv_memory_fraction=0.3, freeze_gc=False)
+                prompts = _prompts(llm.config.vocab_size, args.batch, args.prompt_len)
+                out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
             tokens[tp] = [o.token_ids for o in out]
             del llm
             gc.collect()  # its weights and KV pool go before the next engine's

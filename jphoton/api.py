@@ -22,11 +22,12 @@ from jphoton.engine import compiles
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
+from jphoton.engine.runner import default_num_pages
 from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
-from jphoton.models.tensor_parallel import kv_heads, make_mesh
+from jphoton.models.tensor_parallel import make_mesh
 from jphoton.params import Completion, SamplingParams, short, text_size_error
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
@@ -102,7 +103,7 @@ class LLM:
             self.tokenizer = _load_tokenizer(tokenizer, self.config.vocab_size)
         cfg = cfg.resolve_shapes(self.config.max_position_embeddings, self.model.min_decode_rows)
         if cfg.num_kv_pages is None:
-            cfg = dataclasses.replace(cfg, num_kv_pages=_default_num_pages(self.config, cfg, self.model.params))
+            cfg = dataclasses.replace(cfg, num_kv_pages=default_num_pages(self.config, cfg, self.model.params))
         self.engine_config: EngineConfig = cfg
         self.max_model_len = cfg.max_model_len
         self._seed_rng = np.random.default_rng(cfg.seed)
@@ -591,20 +592,3 @@ def _describe(cfg: EngineConfig, kv_bytes: int) -> str:
             f"{f'tensor parallel over {cfg.tensor_parallel_size} devices, ' if cfg.tensor_parallel_size > 1 else ''}"
             f"buckets: decode {b.decode}, prefill {b.prefill}, "
             f"context {b.context}")
-
-
-def _default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:
-    """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
-    dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
-    tp = cfg.tensor_parallel_size  # each device holds its shards' KV heads of every page
-    heads = kv_heads(model_cfg, tp) // tp
-    page_bytes = 2 * model_cfg.num_layers * cfg.page_size * heads * model_cfg.head_dim * dtype_bytes
-    wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.page_size)
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        # and at least 3 GiB left for the step's temporaries (a 70B shape on two 80 GB GPUs has ~9 GB free)
-        budget = int(min(free * cfg.kv_memory_fraction, free - 3 * 2**30))
-    else:
-        budget = 256 * 2**20
-    return max(1, min(wanted, budget // page_bytes))

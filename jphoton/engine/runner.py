@@ -490,6 +490,23 @@ class Runner:
         return (time.perf_counter() - t0) / steps
 
 
+def default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:
+    """Enough pages for max_num_seqs full contexts, capped by free device memory (accelerators) or 256 MiB (CPU)."""
+    dtype_bytes = jax.tree_util.tree_leaves(params)[0].dtype.itemsize
+    tp = cfg.tensor_parallel_size  # each device holds its shards' KV heads of every page
+    heads = tensor_parallel.kv_heads(model_cfg, tp) // tp
+    page_bytes = 2 * model_cfg.num_layers * cfg.page_size * heads * model_cfg.head_dim * dtype_bytes
+    wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.page_size)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        # and at least 3 GiB left for the step's temporaries (a 70B shape on two 80 GB GPUs has ~9 GB free)
+        budget = int(min(free * cfg.kv_memory_fraction, free - 3 * 2**30))
+    else:
+        budget = 256 * 2**20
+    return max(1, min(wanted, budget // page_bytes))
+
+
 def _fill_ragged(out: np.ndarray, rows: list[list[int]]) -> None:
     """out[i, :len(rows[i])] = rows[i] for every i, as one masked assignment: a numpy assignment per row cost ~1.3 us
     each, most of the ~190 us that packing 128 decode rows took on the CPU here (benchmarks/host_overhead.py)."""
