@@ -78,9 +78,9 @@ def test_tensor_parallel(tmp_path):
     common = ["--model", tiny, "--tp", "2", "--prompt-len", "8", "--new-tokens", "4"]
     check = main(["check", *common, "--dtypes", "float32", "--batch", "2", "--out", str(tmp_path / "c.json")])
     assert check["float32"]["equal"] and check["float32"]["tokens_compared"] == 8
-    steps = main(["steps", *common, "--batches", "2", "--context", "16", "--steps", "2", "--out", str(tmp_path / "s.json")])
-    assert steps["step_tp2_over_tp1"][2] > 0
-    assert all(run["compiles"] == 0 for arm in steps["arms"].values() for run in arm["served"])
+    big = main(["big", *common, "--batches", "2", "--context", "16", "--steps", "2", "--max-model-len", "64",
+                "--out", str(tmp_path / "b.json")])  # ("steps" runs the same calls for TP=1 and TP=N)
+    assert big["step_ms"][2] > 0 and all(run["compiles"] == 0 for run in big["served"])
 
 
 def test_pipeline(tmp_path):
@@ -142,9 +142,9 @@ def test_serving():
     from benchmarks.serving import main
 
     result = main(["--model", TINY, "--concurrency", "3", "--requests-per-client", "2", "--prompt-len", "16",
-                   "--new-tokens", "6", "--client-procs", "2", "--servers", "process", "thread"])
+                   "--new-tokens", "6", "--client-procs", "2", "--servers", "process"])  # (CI time: not "thread")
     assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
-    assert [r["server"] for r in result["rows"]] == ["process", "process", "thread", "thread"]
+    assert [r["server"] for r in result["rows"]] == ["process", "process"]
     assert result["info"]["backend"] == "cpu"  # reported by the engine's process
     for row in result["rows"]:  # 3 streams over 2 client processes, every request's 6 tokens accounted for
         assert row["client"]["processes"] == 2 and 0 < row["client"]["max_core_fraction"] < 2
@@ -223,10 +223,10 @@ def test_startup(tmp_path):
     """A fresh child process per run, cold then warm caches; --wait-ready decodes until every shape is ready."""
     from benchmarks.startup import main
 
-    result = main(["--models", TINY, "--wait-ready", "--out", str(tmp_path / "s.json")])
-    cold, warm = result["models"][TINY]["cold"], result["models"][TINY]["warm"]
-    assert 0 < cold["import_s"] < cold["llm_s"] < cold["first_token_s"] and warm["first_token_s"] > 0
+    # the cold run only (CI time): a warm run is the same child with the persistent cache filled
+    result = main(["--models", TINY, "--runs", "cold", "--wait-ready", "--out", str(tmp_path / "s.json")])
+    cold = result["models"][TINY]["cold"]
+    assert 0 < cold["import_s"] < cold["llm_s"] < cold["first_token_s"]
     assert cold["shapes_at_first_token"] >= 2 and cold["shapes_total"] > cold["shapes_at_first_token"]
     assert cold["all_shapes_ready"] and cold["compiles_after_ready"] == 0 and cold["decode_b1"]["after_tok_s"]
-    assert warm["compiles_at_first_token"] > 0  # persistent-cache hits count as compiles too (engine/compiles.py)
-    assert json.loads((tmp_path / "s.json").read_text())["models"][TINY]["warm"]
+    assert json.loads((tmp_path / "s.json").read_text())["models"][TINY]["cold"]

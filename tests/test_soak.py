@@ -3,7 +3,7 @@ cancelled, aborted, constrained and hostile requests arriving at random times (i
 
 At the end every KV page is free, nothing compiled after warm-up, every call ended with the status its kind allows
 (never INTERNAL/UNKNOWN), and the process's RSS grew at most 10% after the first third of the run (the first minute
-of the long variant). JPHOTON_SOAK_S sets the duration (default 40 s, CI); `JPHOTON_SOAK_LONG=1 pytest -m soak_long
+of the long variant). JPHOTON_SOAK_S sets the duration (default 30 s, CI); `JPHOTON_SOAK_LONG=1 pytest -m soak_long
 tests/test_soak.py` runs the long variant (10 minutes).
 """
 
@@ -136,7 +136,7 @@ def _soak(llm, seconds: float) -> None:
 
 
 def test_soak(embedded_llm):
-    _soak(embedded_llm, float(os.environ.get("JPHOTON_SOAK_S", "40")))
+    _soak(embedded_llm, float(os.environ.get("JPHOTON_SOAK_S", "30")))
 
 
 @pytest.mark.soak_long

@@ -130,3 +130,11 @@ def test_refused_configs(options, message):
 def test_model_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide this model's num_heads 3"):
         make_llm(FIXTURES / "tiny" / "smollm2", tensor_parallel_size=2, warmup="off", **SMALL)
+
+
+def test_two_processes_with_jax_distributed():
+    """Tensor parallel over two processes (one CPU device each, `jax.distributed`, gloo collectives): both give HF's
+    greedy tokens. The multi-host layout of docs/tensor-parallel.md, on one machine."""
+    from tests.multihost_cpu import main
+
+    assert not main()

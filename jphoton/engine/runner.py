@@ -391,8 +391,8 @@ class Runner:
         """Wait for the slot's host copy (an explicit transfer) and free the slot."""
         assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
         want_lp = bool(slot.sampler and slot.sampler.logprobs)
-        tokens = jax.device_get(slot.tokens)
-        lp, ids = (jax.device_get(slot.logprobs), jax.device_get(slot.top_ids)) if want_lp else (None, None)
+        tokens = jax.device_get(slot.host_views[0])
+        lp, ids = (jax.device_get(slot.host_views[1]), jax.device_get(slot.host_views[2])) if want_lp else (None, None)
         slot.step = None
         return StepResult(np.asarray(tokens).tolist(), lp, ids)
 
@@ -405,11 +405,12 @@ class Runner:
     @staticmethod
     def _copy_to_host(slot: DecodeSlot) -> None:
         # An intended, explicit copy: allowed even where a transfer guard polices the loop for accidental ones.
+        views = [slot.tokens] + ([slot.logprobs, slot.top_ids] if slot.sampler and slot.sampler.logprobs else [])
+        # a mesh over several processes: each reads its own replica (a global array cannot be fetched whole)
+        slot.host_views = tuple(v if v.is_fully_addressable else v.addressable_shards[0].data for v in views)
         with jax.transfer_guard_device_to_host("allow"):
-            slot.tokens.copy_to_host_async()
-            if slot.sampler and slot.sampler.logprobs:
-                slot.logprobs.copy_to_host_async()
-                slot.top_ids.copy_to_host_async()
+            for v in slot.host_views:
+                v.copy_to_host_async()
 
     def _resample_into(self, slot: DecodeSlot, variant: SamplerVariant, buffer: np.ndarray | jax.Array) -> None:
         # One more host->device copy, only for steps with top-k/top-p, logprobs or grammar rows.

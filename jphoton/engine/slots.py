@@ -50,6 +50,9 @@ class DecodeSlot:
     step: PlannedStep | None = None  # the step occupying the slot, until its commit
     sampler: SamplerVariant | None = None  # the second sampler that ran on it, if any
     awaiting_mask: bool = False  # grammar rows: sampled only at finalize, after the previous step's commit
+    # the arrays whose host copy was started (tokens[, logprobs, top_ids]): this process's replicas when the mesh spans
+    # several processes (jax.distributed), else the outputs themselves
+    host_views: tuple = ()
 
 
 @dataclasses.dataclass
