@@ -129,13 +129,22 @@ class Runner:
             jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
                                     out_shardings=on_device)
         else:
+            param_specs = tensor_parallel.param_specs(self.params)
+            # the step's shard_map reads each leaf by its name's spec: a leaf placed otherwise would be resharded in
+            # every step, silently
+            specs = jax.tree_util.tree_leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+            misplaced = [jax.tree_util.keystr(path) for (path, a), spec in
+                         zip(jax.tree_util.tree_leaves_with_path(self.params), specs, strict=True)
+                         if not a.sharding.is_equivalent_to(NamedSharding(self.mesh, spec), a.ndim)]
+            if misplaced:
+                raise ValueError(f"tensor parallel: params not placed by their layout: {misplaced[:4]}")
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
             kv_shardings = (kv_sharding, kv_sharding)
             jit = functools.partial(
                 jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5),
                 in_shardings=(param_shardings, kv_shardings, on_device, on_device, logits_sharding, on_device, None),
                 out_shardings=(on_device, logits_sharding, kv_shardings))
-            step = self._sharded_step(step, tensor_parallel.param_specs(self.params))
+            step = self._sharded_step(step, param_specs)
         # Step variants by (filtered, lora). Decode steps whose rows ask for top-k / top-p sample inside the step with
         # a filtered variant (one launch, not two); steps with a row that uses a LoRA adapter run a LoRA variant (the
         # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
