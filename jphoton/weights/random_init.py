@@ -112,7 +112,7 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0, *, fused: bool = False
         if not isinstance(value, dict):
             out[group] = leaf(group, None, tuple(value), None)
             continue
-        names = {n: s for n, s in value.items()}
+        names = dict(value)
         if fused and group == "layers":
             for f, parts in FUSIONS.items():
                 if all(p in names for p in parts):
