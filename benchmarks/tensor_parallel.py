@@ -15,6 +15,7 @@ big: a model too large for one device loads on N and serves: load time, step tim
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import logging
@@ -102,8 +103,13 @@ def big(args) -> dict:
               **({"unroll_layers": False} if args.scan else {}))
     load_s = time.perf_counter() - t0
     mem = [d.memory_stats() or {} for d in llm.engine.runner.mesh.devices.flat] if args.tp > 1 else []
-    print(f"loaded in {load_s:.1f} s; per device bytes in use:", [m.get("bytes_in_use") for m in mem], flush=True)
-    res = {"load_s": load_s, "bytes_in_use": [m.get("bytes_in_use") for m in mem],
+    arrays = collections.Counter()  # what the live arrays account for, per device (vs the allocator's count)
+    for a in jax.live_arrays():
+        for s in a.addressable_shards:
+            arrays[s.device.id] += s.data.nbytes
+    print(f"loaded in {load_s:.1f} s; per device bytes in use:", [m.get("bytes_in_use") for m in mem],
+          "in live arrays:", dict(arrays), flush=True)
+    res = {"load_s": load_s, "bytes_in_use": [m.get("bytes_in_use") for m in mem], "array_bytes": dict(arrays),
            "bytes_limit": [m.get("bytes_limit") for m in mem], "kv_pages": llm.engine_config.num_kv_pages,
            "step_ms": {}}
     for b in args.batches:
