@@ -114,7 +114,7 @@ for section in "$@"; do
       run "$section" python3 benchmarks/tensor_parallel.py steps --model random:llama3-8b --tp 2 --batches 1 32 \
         --out "$OUT/$section.json" ;;
     tp-big)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 run "$section" \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${TP_BIG_MEM_FRACTION:-0.93} run "$section" \
         python3 benchmarks/tensor_parallel.py big --model random:llama3-70b --tp 2 --batches 1 32 --max-model-len 512 \
         --context 256 --prompt-len 64 --new-tokens 64 --max-num-batched-tokens 128 --served-batches ${TP_BIG_SERVED:-1 32} \
         --out "$OUT/$section.json" ;;

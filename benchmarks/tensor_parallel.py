@@ -19,7 +19,9 @@ import collections
 import contextlib
 import gc
 import logging
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -62,7 +64,21 @@ def check(args) -> dict:
     return results
 
 
-def _served(llm, batches, prompt_len, new_tokens) -> list[dict]:
+def memory(llm, label: str) -> dict:
+    """GPU memory by source: JAX's pool (in use, reserved from the device) and the whole device (nvidia-smi): what
+    lies outside the pool is CUDA's, NCCL's, XLA's collective scratch and the loaded programs'."""
+    stats = [d.memory_stats() or {} for d in llm.engine.runner.mesh.devices.flat] if llm.engine.runner.mesh else []
+    q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    out = {"label": label, "gib_in_use": [round(m.get("bytes_in_use", 0) / 2**30, 2) for m in stats],
+           "gib_pool": [round(m.get("pool_bytes", m.get("bytes_reserved", 0)) / 2**30, 2) for m in stats],
+           "gib_peak": [round(m.get("peak_bytes_in_use", 0) / 2**30, 2) for m in stats],
+           "gib_device_used": [round(int(x) / 1024, 2) for x in q.stdout.split()] if q and q.returncode == 0 else []}
+    print("memory", out, flush=True)
+    return out
+
+
+def _served(llm, batches, prompt_len, new_tokens, mem=None) -> list[dict]:
     runs = []
     for b in batches:
         prompts = _prompts(llm.config.vocab_size, b, prompt_len, seed=b)
@@ -72,6 +88,8 @@ def _served(llm, batches, prompt_len, new_tokens) -> list[dict]:
         runs.append({"batch": b, "tok_s": r.tok_s, "decode_ms": r.decode_ms_median, "ttft_ms": r.ttft_ms_median,
                      "compiles": r.compiles_during_run})
         print(runs[-1], flush=True)
+        if mem is not None:
+            mem.append(memory(llm, f"served B={b}"))
     return runs
 
 
@@ -111,12 +129,13 @@ def big(args) -> dict:
           "in live arrays:", dict(arrays), flush=True)
     res = {"load_s": load_s, "bytes_in_use": [m.get("bytes_in_use") for m in mem], "array_bytes": dict(arrays),
            "bytes_limit": [m.get("bytes_limit") for m in mem], "kv_pages": llm.engine_config.num_kv_pages,
-           "step_ms": {}}
+           "step_ms": {}, "memory": [memory(llm, "loaded")]}
     for b in args.batches:
         llm.device_step_ms(b, context=args.context, steps=3)
         res["step_ms"][b] = llm.device_step_ms(b, context=args.context, steps=args.steps)
         print(f"B={b} step {res['step_ms'][b]:.3f} ms", flush=True)
-    res["served"] = _served(llm, args.served_batches or args.batches, args.prompt_len, args.new_tokens)
+        res["memory"].append(memory(llm, f"steps B={b}"))
+    res["served"] = _served(llm, args.served_batches or args.batches, args.prompt_len, args.new_tokens, res["memory"])
     return res
 
 

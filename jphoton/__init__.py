@@ -5,6 +5,16 @@ The public names load on first use, so that importing a host-side module (`jphot
 """
 
 import importlib
+import os
+
+# XLA's one-shot all-reduce kernel (on by default on GPU in jax 0.11) gives every all-reduce of every compiled
+# program its own scratch buffers outside JAX's memory pool: ~1 GiB a GPU per program of a 70B model under tensor
+# parallelism (161 all-reduces), which ran two 80 GB GPUs out of memory; off, the step is no slower
+# (docs/decisions.md). XLA reads this flag from the environment when JAX starts its GPU backend, not per program,
+# so it is set here, before that; a user's own setting of it is kept.
+ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel"
+if ONE_SHOT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_SHOT_FLAG}=false".strip()
 
 _PUBLIC = {
     "LLM": "jphoton.api",

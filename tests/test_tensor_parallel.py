@@ -138,3 +138,22 @@ def test_two_processes_with_jax_distributed():
     from tests.multihost_cpu import main
 
     assert not main()
+
+
+def test_import_turns_off_xla_one_shot_all_reduce():
+    """The one-shot all-reduce kernel's per-program scratch ran two GPUs out of memory (docs/tensor-parallel.md):
+    `import jphoton` turns it off through XLA_FLAGS, keeping the user's other flags and the user's own setting."""
+    import os
+    import subprocess
+    import sys
+    code = "import os, jphoton; print(os.environ['XLA_FLAGS'])"
+
+    def run(flags):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "XLA_FLAGS": flags}).stdout.strip()
+
+    off = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false"
+    assert run("--xla_dump_to=/tmp/x") == f"--xla_dump_to=/tmp/x {off}"
+    assert run("") == off
+    mine = off.replace("false", "true")
+    assert run(mine) == mine
