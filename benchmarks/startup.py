@@ -16,6 +16,7 @@ background, until `stats()["all_shapes_ready"]`, and 5 more requests after: deco
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ CHILD = r"""
 import json, os, sys, time
 t_import = time.time()
 from jphoton import LLM, SamplingParams
-llm = LLM(sys.argv[1])
+llm = LLM(sys.argv[1], **json.loads(sys.argv[3]))
 t_llm = time.time()
 prompt = {"prompt_token_ids": [(7 * i + 3) % min(1000, llm.config.vocab_size - 1) + 1 for i in range(128)]}
 first = None
@@ -57,10 +58,11 @@ print("STARTUP_RESULT " + json.dumps(out), flush=True)
 """
 
 
-def run_child(model: str, cache: str, wait_ready: bool, timeout: float) -> dict:
+def run_child(model: str, cache: str, wait_ready: bool, timeout: float, llm_args: dict | None = None) -> dict:
     env = {**os.environ, "JPHOTON_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, "1" if wait_ready else "0"], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, "1" if wait_ready else "0", json.dumps(llm_args or {})],
+                          env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STARTUP_RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -87,8 +89,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--wait-ready", action="store_true", help="decode B=1 while the rest compiles (cold run only)")
     ap.add_argument("--timeout", type=float, default=460)
+    ap.add_argument("--llm-args", default="", help="LLM keyword arguments beside the defaults, k=v,k=v (python "
+                    "literals); none by default: the point is the defaults")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    llm_args = {}
+    for kv in filter(None, args.llm_args.split(",")):
+        k, v = kv.split("=", 1)
+        llm_args[k] = ast.literal_eval(v)
     from benchmarks.common import device_info
 
     result = {**device_info(), "command": "python3 benchmarks/startup.py " + " ".join(argv or sys.argv[1:]),
@@ -97,7 +105,7 @@ def main(argv=None) -> dict:
         cache = tempfile.mkdtemp(prefix="jphoton-startup-")
         rows = {}
         for run in args.runs:
-            rows[run] = run_child(model, cache, args.wait_ready and run == "cold", args.timeout)
+            rows[run] = run_child(model, cache, args.wait_ready and run == "cold", args.timeout, llm_args)
             r = rows[run]
             print(f"{model} {run}: first token {r['first_token_s']:.1f} s (import {r['import_s']:.1f} s, LLM() "
                   f"{r['llm_s']:.1f} s; {r['shapes_at_first_token']}/{r['shapes_total']} shapes)"
