@@ -6,6 +6,7 @@ The public names load on first use, so that importing a host-side module (`jphot
 
 import importlib
 import os
+import sys
 
 # XLA's one-shot all-reduce kernel (on by default on GPU in jax 0.11) gives every all-reduce of every compiled
 # program its own scratch buffers outside JAX's memory pool: ~1 GiB a GPU per program of a 70B model under tensor
@@ -15,6 +16,12 @@ import os
 ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel"
 if ONE_SHOT_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_SHOT_FLAG}=false".strip()
+    # too late if JAX started its backends before this import (the runner warns under tensor parallelism); looked up
+    # without importing jax, which host-side modules must not
+    _bridge = sys.modules.get("jax._src.xla_bridge")
+    ONE_SHOT_FLAG_LATE = bool(_bridge and getattr(_bridge, "backends_are_initialized", lambda: False)())
+else:
+    ONE_SHOT_FLAG_LATE = False
 
 _PUBLIC = {
     "LLM": "jphoton.api",

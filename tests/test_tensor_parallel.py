@@ -157,3 +157,8 @@ def test_import_turns_off_xla_one_shot_all_reduce():
     assert run("") == off
     mine = off.replace("false", "true")
     assert run(mine) == mine
+    # JAX's backend started before the import: too late for the flag, which the package records (the runner warns)
+    code = "import jax; jax.devices(); import jphoton; print(jphoton.ONE_SHOT_FLAG_LATE)"
+    assert run("") == "True"
+    code = "import jax, jphoton; jax.devices(); print(jphoton.ONE_SHOT_FLAG_LATE)"
+    assert run("") == "False"

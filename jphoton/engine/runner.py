@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jphoton
 from jphoton.constraints import mask_words
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.scheduler import StepPlan, StepShape
@@ -83,6 +84,11 @@ class Runner:
         if self.tp is not None and self.lora_enabled:
             raise ValueError("max_loras > 0 with tensor_parallel_size > 1 is not supported yet (LoRA slots are not "
                              "sharded); serve adapters on one device")
+        if self.tp is not None and jphoton.ONE_SHOT_FLAG_LATE and self.mesh.devices.flat[0].platform == "gpu":
+            log.warning("JAX started its GPU backend before jphoton was imported, so XLA's one-shot all-reduce kernel "
+                        "stays on: every compiled program then holds ~6 MiB a GPU per all-reduce outside JAX's pool. "
+                        "Import jphoton first, or set XLA_FLAGS=%s=false (docs/tensor-parallel.md)",
+                        jphoton.ONE_SHOT_FLAG)
         if self.tp is None:
             on_device = jax.sharding.SingleDeviceSharding(self.device)
             kv_sharding = logits_sharding = on_device
