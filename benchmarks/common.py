@@ -3,6 +3,7 @@ a closed loop of requests, result files, and the QUICK switch of benchmarks/gpu_
 
 from __future__ import annotations
 
+import ast
 import bisect
 import collections
 import contextlib
@@ -43,6 +44,15 @@ def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
     bw = n * 2 * reps / (time.perf_counter() - t0)
     del x
     return bw
+
+
+def parse_llm_args(text: str) -> dict:
+    """`--llm-args k=v,k=v` (values are python literals) -> LLM keyword arguments."""
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, v = kv.split("=", 1)
+        out[k.strip()] = ast.literal_eval(v)
+    return out
 
 
 def default_llm(model, max_rows: int = 0, **options):

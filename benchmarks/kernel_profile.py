@@ -21,7 +21,7 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, device_info, write_json  # noqa: E402
+from benchmarks.common import QUICK, device_info, parse_llm_args, write_json  # noqa: E402
 from jphoton import LLM  # noqa: E402
 
 
@@ -96,10 +96,7 @@ def main(argv=None):
         args.model, args.rows, args.steps, args.ctx = "random:smollm2-135m:layers=2", [2], 3, 64
     if QUICK:
         args.rows, args.steps = args.rows[:1], 5
-    extra = {}
-    for kv in filter(None, args.llm_args.split(",")):
-        k, v = kv.split("=", 1)
-        extra[k] = eval(v, {})  # noqa: S307 - a benchmark's own command line
+    extra = parse_llm_args(args.llm_args)
     info = device_info()
     print(info, flush=True)
     pages = -(-max(args.ctx, 256) // 16)

@@ -16,7 +16,6 @@ background, until `stats()["all_shapes_ready"]`, and 5 more requests after: deco
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import subprocess
@@ -93,11 +92,9 @@ def main(argv=None) -> dict:
                     "literals); none by default: the point is the defaults")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    llm_args = {}
-    for kv in filter(None, args.llm_args.split(",")):
-        k, v = kv.split("=", 1)
-        llm_args[k] = ast.literal_eval(v)
-    from benchmarks.common import device_info
+    from benchmarks.common import device_info, parse_llm_args
+
+    llm_args = parse_llm_args(args.llm_args)
 
     result = {**device_info(), "command": "python3 benchmarks/startup.py " + " ".join(argv or sys.argv[1:]),
               "models": {}}

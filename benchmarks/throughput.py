@@ -23,6 +23,7 @@ from benchmarks.common import (  # noqa: E402
     default_llm,
     device_info,
     kv_bytes_read,
+    parse_llm_args,
     read_bandwidth,
     timed_run,
     weight_bytes,
@@ -41,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--out", default="throughput.json")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the read-bandwidth probe")
+    ap.add_argument("--llm-args", default="", help="LLM keyword arguments beside the defaults, k=v,k=v (python "
+                    "literals); none by default: the point is the defaults")
     args = ap.parse_args(argv)
     if QUICK:
         args.batch, args.new_tokens, args.depths = [1, max(args.batch)], min(args.new_tokens, 32), [2]
@@ -54,7 +57,7 @@ def main(argv=None):
     rows = []
     for depth in args.depths:
         t0 = time.perf_counter()
-        llm = default_llm(args.model, max_b, dtype=args.dtype, pipeline_depth=depth)
+        llm = default_llm(args.model, max_b, dtype=args.dtype, pipeline_depth=depth, **parse_llm_args(args.llm_args))
         startup = time.perf_counter() - t0
         itemsize = 4 if args.dtype == "float32" else 2
         wbytes = weight_bytes(llm.config, itemsize)
