@@ -9,7 +9,8 @@ One tick at pipeline depth 2 (the default), step t already on the device:
   still on the device names the row of t's output that holds it (`carry_from`). The runner packs the step into one
   host->device input and dispatches it into the free `DecodeSlot` (two slots, ping-pong; outputs donated).
 - Commit: the host copy of t's tokens (started at t's launch) is read; tokens are appended, stops checked, outputs
-  emitted. At depth 1 the step just launched is committed in the same tick (the blocking loop).
+  emitted. At depth 1 the step just launched is committed in the same tick (the blocking loop); t+1 is planned and
+  packed while t runs (its launch still waits for t's commit), so only the launch and the commit are in series.
 - Zombies: a sequence that finishes at t is already in t+1. It is finalized at once (its result emitted); its pages go
   back only when `inflight_refs` (launched steps that reference it) reaches 0.
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
@@ -144,6 +145,8 @@ class Engine:
         step, self.ahead = self.ahead or self._plan(), None
         if step is not None:
             self._launch(step)
+            if self.depth == 1:  # plan t+1 while t runs on the device (it launches after t's commit, next tick)
+                self.ahead = self._plan()
         # 2. commit t (depth 2 keeps the step just launched in flight; depth 1 and an idle tick commit everything)
         outputs: list[RequestOutput] = []
         keep = self.depth - 1 if step is not None else 0
