@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -34,6 +35,8 @@ def _compile(runner, shape) -> tuple[float, float]:
 
 
 def probe(model: str, variant: str, serial: int, parallel: int, threads: int, rows: list[int]) -> dict:
+    import jax
+
     from jphoton import LLM
     from jphoton.models import llama
 
@@ -46,7 +49,8 @@ def probe(model: str, variant: str, serial: int, parallel: int, threads: int, ro
     runner = llm.engine.runner
     shapes = runner.sched.all_shapes()
     picked = shapes[:: max(1, len(shapes) // (serial + parallel))][: serial + parallel]
-    out = {"variant": variant, "unroll_layers": unroll, "num_shapes_default": len(shapes), "load_s": load_s,
+    out = {"variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "unroll_layers": unroll,
+           "num_shapes_default": len(shapes), "load_s": load_s,
            "serial": [], "parallel": {}}
     for shape in picked[:serial]:
         lower_s, compile_s = _compile(runner, shape)
@@ -63,11 +67,24 @@ def probe(model: str, variant: str, serial: int, parallel: int, threads: int, ro
                            "sum_of_shapes_s": sum(a + b for a, b in each), "per_shape": each}
         print(f"  unroll={unroll} {len(rest)} shapes on {threads} threads: {wall:.1f} s wall "
               f"(sum of per-shape times {out['parallel']['sum_of_shapes_s']:.1f} s)", flush=True)
-    out["device_step_ms"] = {}
+    out["device_step_ms"], out["dispatch_ms"] = {}, {}
+    out["argument_leaves"] = len(jax.tree.leaves(runner.params)) + len(jax.tree.leaves(runner.kv)) + 4
+    calls: list[float] = []  # host seconds per jitted-step call (what the pipelined tick pays per step)
+    dispatch = runner._dispatch_into
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        dispatch(*a, **k)
+        calls.append(time.perf_counter() - t)
+
+    runner._dispatch_into = timed
     for b in rows:
         t0 = time.perf_counter()
+        calls.clear()
         out["device_step_ms"][b] = llm.device_step_ms(b, context=512, steps=50)
-        print(f"  unroll={unroll} B={b}: {out['device_step_ms'][b]:.3f} ms/step "
+        out["dispatch_ms"][b] = statistics.median(calls[3:]) * 1e3
+        print(f"  unroll={unroll} B={b}: {out['device_step_ms'][b]:.3f} ms/step, dispatch "
+              f"{out['dispatch_ms'][b]:.3f} ms a call, {out['argument_leaves']} argument buffers "
               f"(compile + time {time.perf_counter() - t0:.1f} s)", flush=True)
     del llm
     return out

@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECTIONS="probe-h2d probe-dispatch decode-matmul decode-matmul-e2e glu-sweep sampler-noise stream-headroom mosaic-stream
-  sampler-argmax"
+  sampler-argmax weight-layouts"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
@@ -35,6 +35,14 @@ for section in "$@"; do
     stream-headroom) run "$section" python3 lab/probes/stream_headroom.py --out "$OUT/$section.json" ;;
     mosaic-stream) run "$section" python3 lab/probes/mosaic_stream.py --bench ;;
     sampler-argmax) run "$section" python3 lab/probes/sampler_argmax.py --batch 2 32 128 --vocab 128256 ;;
+    weight-layouts)  # issue 22: per-layer vs stacked weights, with and without Triton GEMMs: compile s, step, dispatch
+      for v in unrolled unrolled-stacked; do
+        for f in "" "--xla_gpu_enable_triton_gemm=false"; do
+          XLA_FLAGS="${XLA_FLAGS:-} $f" run "$section-$v${f:+-cublas}" python3 lab/compile_probe.py \
+            --model "${MODEL:-random:llama3.2-1b}" --unroll $v --serial 2 --parallel 0 --rows 2 32 \
+            --out "$OUT/$section-$v${f:+-cublas}.json"
+        done
+      done ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done
