@@ -1,6 +1,9 @@
 #!/bin/bash
 # Issue 22: lab/probes/blocking_host.py in wave 1 (.ab/base), the last commit (.ab/head) and this tree, 3 rounds alternated.
+#   trees: .ab/base = git archive 98dc4d0, .ab/head = git archive of the commit to compare (jphoton pallas_kernels
+#   server benchmarks), carried with .ab
 set -u
+OUT=${OUT:-/tmp/jphoton-lab}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JPHOTON_CACHE_DIR=/tmp/jphoton-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 for r in 1 2 3; do for t in base head new; do
