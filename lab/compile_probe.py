@@ -30,8 +30,17 @@ def _compile(runner, shape) -> tuple[float, float]:
     t0 = time.perf_counter()
     lowered = runner._step.lower(shape, runner.params, runner.kv, runner._prev_tokens, slot.tokens, slot.logits, packed)
     t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    try:  # what the compiled program runs: copies of weight slices would show as copy / dynamic-slice kernels
+        text = compiled.as_text()
+        _HLO_COUNTS[shape] = {k: text.count(k) for k in (" copy(", "dynamic-slice(", "fusion(", "custom-call(")}
+    except Exception as e:  # noqa: BLE001 (a probe: report, go on)
+        _HLO_COUNTS[shape] = {"error": repr(e)}
+    return t1 - t0, t2 - t1
+
+
+_HLO_COUNTS: dict = {}
 
 
 def probe(model: str, variant: str, serial: int, parallel: int, threads: int, rows: list[int]) -> dict:
@@ -42,6 +51,10 @@ def probe(model: str, variant: str, serial: int, parallel: int, threads: int, ro
 
     unroll = variant != "scanned"
     if variant == "unrolled-stacked":  # the layout before per-layer params: layer i sliced out of each stack
+        from jphoton.weights import load
+
+        make = load.random_params
+        load.random_params = lambda *a, per_layer=False, **k: make(*a, per_layer=False, **k)
         llama.unstack_layers = lambda params, consume=False: params
     t0 = time.perf_counter()
     llm = LLM(model, warmup=False, progress=False, unroll_layers=unroll, freeze_gc=False)
@@ -54,9 +67,10 @@ def probe(model: str, variant: str, serial: int, parallel: int, threads: int, ro
            "serial": [], "parallel": {}}
     for shape in picked[:serial]:
         lower_s, compile_s = _compile(runner, shape)
-        out["serial"].append({"shape": list(dataclasses.astuple(shape)), "lower_s": lower_s, "compile_s": compile_s})
+        out["serial"].append({"shape": list(dataclasses.astuple(shape)), "lower_s": lower_s, "compile_s": compile_s,
+                              "hlo_counts": _HLO_COUNTS.get(shape)})
         print(f"  unroll={unroll} serial {dataclasses.astuple(shape)}: lower {lower_s:.1f} s, "
-              f"compile {compile_s:.1f} s", flush=True)
+              f"compile {compile_s:.1f} s, HLO {_HLO_COUNTS.get(shape)}", flush=True)
     rest = picked[serial:]
     if rest:
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ for section in "$@"; do
     weight-layouts)  # issue 22: per-layer vs stacked weights, with and without Triton GEMMs: compile s, step, dispatch
       for v in unrolled unrolled-stacked; do
         for f in "" "--xla_gpu_enable_triton_gemm=false"; do
-          XLA_FLAGS="${XLA_FLAGS:-} $f" run "$section-$v${f:+-cublas}" python3 lab/compile_probe.py \
+          XLA_FLAGS="$(echo ${XLA_FLAGS:-} $f)" run "$section-$v${f:+-cublas}" python3 lab/compile_probe.py \
             --model "${MODEL:-random:llama3.2-1b}" --unroll $v --serial 2 --parallel 0 --rows 2 32 \
             --out "$OUT/$section-$v${f:+-cublas}.json"
         done

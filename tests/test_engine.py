@@ -325,3 +325,25 @@ def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
         want[i, :len(t)] = t
     _fill_ragged(got, tables)
     np.testing.assert_array_equal(got, want)
+
+
+def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
+    """A decode step with the previous pack's rows starts from that buffer (Runner._pack_steady): byte-equal to packing
+    from scratch, through page boundaries, finishes and a new arrival, and the tokens still match the reference."""
+    runner = embedded_llm.engine.runner
+    pack, full = runner.pack, runner._pack_full
+    checked = []
+
+    def both(plan):
+        inp = pack(plan)
+        np.testing.assert_array_equal(inp.packed, full(plan).packed)
+        checked.append(plan.step_id)
+        return inp
+
+    monkeypatch.setattr(runner, "pack", both)
+    before = runner.steady_packs
+    lengths = (32, 32, 32, 9, 32, 20)
+    outs = embedded_llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in lengths])
+    for out, (_, ref), n in zip(outs, hf, lengths, strict=True):
+        assert out.token_ids == ref[:n]
+    assert runner.steady_packs - before > 10 and len(checked) > runner.steady_packs - before

@@ -145,7 +145,11 @@ class Engine:
         step, self.ahead = self.ahead or self._plan(), None
         if step is not None:
             self._launch(step)
-            if self.depth == 1:  # plan t+1 while t runs on the device (it launches after t's commit, next tick)
+            # Plan and pack the next step now, while the device runs, so that only the commit and the launch lie
+            # between one step's end and the next launch. Depth 1: t+1, launched after t's commit. Depth 2: t+2, unless
+            # t+1 waits for grammar masks (its successor is planned after the commit, below, to ride in its
+            # transfer); a row that finishes at t is then a zombie in t+2 as well (inflight_refs covers it).
+            if self.depth == 1 or not self.inflight[-1].awaiting_mask:
                 self.ahead = self._plan()
         # 2. commit t (depth 2 keeps the step just launched in flight; depth 1 and an idle tick commit everything)
         outputs: list[RequestOutput] = []

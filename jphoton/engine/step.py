@@ -58,16 +58,20 @@ class StepLayout:
         self.size = offset  # words the fields take
         self.buffer_size = max(offset, buffer_size)
 
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Host views of each field into a packed buffer (and the buffer itself as "_buffer")."""
+        views = {name: buf[o:o + math.prod(d)].reshape(d) for name, (o, d) in self.fields.items()}
+        views["_buffer"] = buf
+        return views
+
     def empty(self, trash_page: int) -> dict[str, np.ndarray]:
         """Host views into one zeroed buffer, with padding defaults (tables -> trash page, top_p 1, no carry)."""
-        buf = np.zeros(self.buffer_size, np.int32)
-        views = {name: buf[o:o + math.prod(d)].reshape(d) for name, (o, d) in self.fields.items()}
+        views = self.views(np.zeros(self.buffer_size, np.int32))
         views["d_table"][:] = trash_page
         views["p_table"][:] = trash_page
         views["d_carry"][:] = -1
         views["d_lora"][:] = -1
         views["p_lora"][:] = -1
-        views["_buffer"] = buf
         return views
 
     def unpack(self, packed: jax.Array) -> dict[str, jax.Array]:
