@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -51,7 +52,7 @@ def main() -> None:
     profiles = {k: cProfile.Profile() for k in targets if k != "dispatch"}
     for k, pr in profiles.items():
         o, n = targets[k]
-        setattr(o, n, (lambda pr, fn: lambda *a, **kw: pr.runcall(fn, *a, **kw))(pr, originals[k]))
+        setattr(o, n, functools.partial(pr.runcall, originals[k]))
     llm.generate(prompts, params)
     transfer_cost(llm, B)
     for k, pr in profiles.items():
