@@ -2,17 +2,18 @@
 
 One tick at pipeline depth 2 (the default), step t already on the device:
 
-    host:   plan+pack t+1 | launch t+1 | wait for t's tokens, commit t | [grammar rows in t+1: fill masks, sample t+1]
-    device: ....... step t ........... | step t+1 (its carried-over tokens read from t's output on the device) ...
+    host:   launch t+1 | plan+pack t+2 | wait for t's tokens, commit t | [grammar rows in t+1: fill masks, sample t+1]
+    device: ..................... step t ....................... | step t+1 (carried-over tokens read on the device)
 
-- Launch: the scheduler plans t+1 from what the host knows before t is committed; a decode row whose input token is
-  still on the device names the row of t's output that holds it (`carry_from`). The runner packs the step into one
+- Launch: the scheduler planned t+1 in the tick before, from what the host knew before t-1 was committed (so only the
+  commit and the launch lie between two steps); a decode row whose input token is still on the device names the row of
+  the previous step's output that holds it (`carry_from`). The runner packs the step into one
   host->device input and dispatches it into the free `DecodeSlot` (two slots, ping-pong; outputs donated).
 - Commit: the host copy of t's tokens (started at t's launch) is read; tokens are appended, stops checked, outputs
   emitted. At depth 1 the step just launched is committed in the same tick (the blocking loop); t+1 is planned and
   packed while t runs (its launch still waits for t's commit), so only the launch and the commit are in series.
-- Zombies: a sequence that finishes at t is already in t+1. It is finalized at once (its result emitted); its pages go
-  back only when `inflight_refs` (launched steps that reference it) reaches 0.
+- Zombies: a sequence that finishes at t is already in t+1 (and in t+2, planned before t's commit). It is finalized
+  at once (its result emitted); its pages go back only when `inflight_refs` (launched steps that reference it) is 0.
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
   not. A step with grammar rows is launched forward-only (logits kept on the device); after commit t the matchers
   advance, the masks are filled and the step is sampled ("finalized"). The step after it is planned first, so that its
