@@ -71,6 +71,17 @@ def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, emb
     a, b = run(embedded_d1), run(embedded_llm)
     assert a == b
     assert {"length", "abort"} <= {r for _, r in a}
+    # While shapes still compile, a prefill that no ready shape mixes with decode rows runs alone, and those rows sit
+    # out that step: then step t+2, planned before t's commit, cannot carry their token from t (it waits a step).
+    sched = embedded_llm.engine.scheduler
+    ready = sched.ready
+    sched.ready = frozenset(x for x in sched.config.all_shapes() if not (x.decode_rows and x.prefill_rows))
+    try:
+        steps = embedded_llm.engine.num_steps
+        assert run(embedded_llm) == a
+        assert embedded_llm.engine.num_steps - steps > 12
+    finally:
+        sched.ready = ready
 
 
 def test_preemption_with_a_tiny_pool_matches_an_unpreempted_run():

@@ -234,9 +234,13 @@ class Scheduler:
             if (s.finish_reason is not None or s.status != "running" or pos < s.prefill_target
                     or pos >= len(s.prompt_ids) + n_out + pending or n_out + pending >= s.max_new_tokens):
                 continue
+            known = pos - len(s.prompt_ids)
+            if known >= n_out and s.last_sample[0] != step_id - 1:
+                # its input token is in an older step's output, not yet committed (this step is planned ahead of that
+                # commit, and the sequence sat out the step between): it joins the step after
+                continue
             if pos >= len(s.block_table) * page_size and not self._reserve(s, pos + 1, planned):
                 continue
-            known = pos - len(s.prompt_ids)
             if known < 0:
                 tokens, carry = [s.prompt_ids[pos]], -1
             elif known < n_out:
