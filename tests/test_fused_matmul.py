@@ -80,10 +80,20 @@ def test_fused_params_and_matmul_hooks_match_the_unfused_xla_forward(tie):
             h, logits = _hidden(per_layer, cfg, tokens, matmul)
             np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    # the layers' vectors (norms, biases) stay [L, X] stacks: fewer arrays to pass to each step
+    vectors = {k for k, a in fused["layers"].items() if a.ndim == 2}
+    assert vectors == {"attn_norm", "mlp_norm", "bqkv", "bo"}
+    assert per_layer["layer_vectors"].keys() == vectors and per_layer["layer_vectors"]["bo"] is src["layers"]["bo"]
     popped = dict(fused, layers=dict(fused["layers"]))
-    assert llama.unstack_layers(popped, consume=True)["layers"][0].keys() == fused["layers"].keys()
+    assert llama.unstack_layers(popped, consume=True)["layers"][0].keys() == fused["layers"].keys() - vectors
     assert popped["layers"] == {}  # consume=True empties the stacks as it splits them
     assert llama.unstack_layers(per_layer) is not None and llama.unstack_layers(per_layer)["layers"] is per_layer["layers"]
+    # per-layer dicts that still hold their vectors (an older layout) get them stacked
+    old = dict(per_layer, layers=tuple(llama.layer_params(per_layer, i) for i in range(cfg.num_layers)))
+    del old["layer_vectors"]
+    again = llama.unstack_layers(old)
+    assert again["layers"][1].keys() == per_layer["layers"][1].keys()
+    np.testing.assert_array_equal(again["layer_vectors"]["mlp_norm"], fused["layers"]["mlp_norm"])
 
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict

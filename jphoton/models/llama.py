@@ -16,7 +16,8 @@ Serving layout (`fuse_params`, applied once when a model is built for the engine
 `param_shapes` keep the layout above): wq|wk|wv -> wqkv [L, D, Hq*hd + 2*Hkv*hd] (bq|bk|bv -> bqkv) and
 w_gate|w_up -> w_gate_up [L, D, 2F], so a decode step reads each layer's input projections in one dot instead of
 three and two. `forward` branches on which keys are present. The unrolled layer loop (the GPU default) is served from
-`unstack_layers`: each stacked group a tuple of per-layer dicts, so that every layer's GEMMs are one fusion to XLA.
+`unstack_layers`: each stacked group a tuple of per-layer dicts of matrices, so that every layer's GEMMs are one
+fusion to XLA (the norms and biases stay [L, X] stacks, in `layer_vectors`: fewer arguments for each step).
 
 Mixture-of-experts variants (Qwen3-MoE, `cfg.num_experts > 0`) take the MLP weights out of `layers` and keep one stack
 per kind of layer, indexed by the layer's rank among its kind (forward in models/qwen3_moe.py):
@@ -135,27 +136,59 @@ def layer_groups(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def unstack_layers(params: Params, *, consume: bool = False) -> Params:
     """The per-layer serving layout for the unrolled layer loop: each stacked group (`layers`, and for MoE models `moe`
-    and `dense_mlp`) becomes a tuple of per-layer dicts. Why: an unrolled loop over a stack slices layer i out of it, the
-    slice fuses into that layer's GEMMs, and every layer's GEMM becomes a fusion of its own that XLA:GPU autotunes
-    separately (~5,000 autotuned kernels for a 30-layer model; docs/step-shapes.md); with one array per layer the
-    layers' GEMMs are the same fusion, tuned once. Numpy leaves are split into views (no copy); device leaves by one
-    jitted split per leaf shape. consume=True pops each stack out of `params` as it goes (peak: weights + one leaf).
-    Already-unstacked params come back unchanged."""
+    and `dense_mlp`) becomes a tuple of per-layer dicts of its matrices. Why: an unrolled loop over a stack slices layer
+    i out of it, the slice fuses into that layer's GEMMs, and every layer's GEMM becomes a fusion of its own that
+    XLA:GPU autotunes separately (~5,000 autotuned kernels for a 30-layer model; docs/step-shapes.md); with one array
+    per layer the layers' GEMMs are the same fusion, tuned once. The per-layer vectors of `layers` (norms, biases,
+    qk-norms: [L, X] stacks) stay stacked, in `layer_vectors`: a static slice of one fuses into its elementwise
+    consumer, a kernel reads the stack at the layer, and every array is one more argument of each step's dispatch
+    (~2 us each on the H100; 104 -> 72 for the 1B, docs/step-shapes.md). Numpy leaves are split into views (no copy);
+    device leaves by one jitted split per leaf shape. consume=True pops each stack out of `params` as it goes (peak:
+    weights + one leaf). Already-unstacked params come back unchanged, but for vectors still in the per-layer dicts
+    (stacked now)."""
     out = dict(params)
     for group in ("layers", "moe", "dense_mlp"):
         stack = params.get(group)
-        if stack is None or isinstance(stack, (tuple, list)):
+        if stack is None:
+            continue
+        if isinstance(stack, (tuple, list)):
+            if group == "layers" and any(a.ndim == 1 for a in stack[0].values()):
+                out.update(_stack_vectors(stack, params.get("layer_vectors")))
             continue
         n = next(iter(stack.values())).shape[0]
         per_layer: list[dict[str, Any]] = [{} for _ in range(n)]
+        vectors = {}
         for key in list(stack):
             a = stack.pop(key) if consume else stack[key]
+            if group == "layers" and a.ndim == 2:
+                vectors[key] = a
+                continue
             parts = list(a) if isinstance(a, np.ndarray) else _split_leading(a)
             del a
             for lp, part in zip(per_layer, parts, strict=True):
                 lp[key] = part
         out[group] = tuple(per_layer)
+        if vectors:
+            out["layer_vectors"] = vectors
     return out
+
+
+def _stack_vectors(layers, vectors: Params | None) -> Params:
+    """Per-layer dicts holding their vectors -> (dicts without them, `layer_vectors` stacks)."""
+    keys = [k for k, a in layers[0].items() if a.ndim == 1]
+    stack = np.stack if all(isinstance(lp[k], np.ndarray) for lp in layers for k in keys) else jnp.stack
+    stacked = {k: stack([lp[k] for lp in layers]) for k in keys}
+    return {"layers": tuple({k: a for k, a in lp.items() if k not in stacked} for lp in layers),
+            "layer_vectors": {**(vectors or {}), **stacked}}
+
+
+def layer_params(params: Params, i: int) -> Params:
+    """Layer i's params in any layout: stacked (`layers` [L, ...]) or per-layer (`unstack_layers`: the layer's dict
+    of matrices and row i of each `layer_vectors` stack, a static slice)."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return jax.tree.map(lambda a: a[i], layers)
+    return {**layers[i], **{k: v[i] for k, v in params.get("layer_vectors", {}).items()}}
 
 
 @jax.jit
@@ -194,22 +227,25 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     # Each sublayer ends by normalising the residual stream for the next matmul (the MLP's norm after attention; the
     # next layer's attention norm, or the final norm, after the MLP), so that a hook can run the residual add and the
     # norm in one kernel: `matmul.residual`. Same ops as norm-at-the-start, in the same order.
-    if per_layer:
-        next_norms = [lp["attn_norm"] for lp in layers[1:]] + [params["final_norm"]]
-        first_norm = layers[0]["attn_norm"]
+    if per_layer:  # the norms as [L, D] stacks (`layer_vectors`): a kernel reads them at (stack, index)
+        attn_norms = params["layer_vectors"]["attn_norm"]
+        L = len(layers)
+        next_norms = [(attn_norms, i + 1) for i in range(L - 1)] + [(params["final_norm"][None], 0)]
+        first_norm = attn_norms[0]
     else:
         next_norm = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
         first_norm = layers["attn_norm"][0]
     x = embed(params["embed"], tokens, tp)
     h = rms_norm(x, first_norm, eps)
 
-    def layer(carry, lp, norm_after, stacks, index, kv_layer, lw=None):
+    def layer(carry, lp, norm_after, stacks, index, kv_layer, lw=None, norm_index=None):
         """One decoder layer. lp: this layer's matrices (what an XLA dot should read); stacks[key][index]: the same
         matrix as a stack + index (what a kernel should read: a slice fed to a custom call is copied; per-layer params
-        pass a [1, ...] view and index 0). kv_layer: the layer's index in the KV pool. lw: the layer's LoRA groups
-        (models/lora.py) or None. Each product's columns past the base ones are its LoRA shrink (lora.INLINE); the
-        update of O or down is added to the residual stream inside the hook, before the product (same sum); with LoRA
-        rows gate+up runs as a product and a SwiGLU, not the hook's fused `glu`."""
+        pass a [1, ...] view and index 0, and their norms' [L, D] stacks with norm_index {key: row}). kv_layer: the
+        layer's index in the KV pool. lw: the layer's LoRA groups (models/lora.py) or None. Each product's columns
+        past the base ones are its LoRA shrink (lora.INLINE); the update of O or down is added to the residual stream
+        inside the hook, before the product (same sum); with LoRA rows gate+up runs as a product and a SwiGLU, not the
+        hook's fused `glu`."""
         x, h, kv = carry  # the residual stream, and its normalised copy that this layer's attention reads
 
         def proj(v, key):
@@ -223,8 +259,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 
         q, k, v = attention_projections(cfg, lp, h, positions, inv_freq, proj, update=lora_update("qkv"))
         o, kv = attend(q, k, v, kv, kv_layer)
+        norm_at = norm_index or {"mlp_norm": index, "next_norm": index}
         x, h = mm.residual(x, o.reshape(*x.shape[:-1], cfg.q_size), lp["wo"], stacks["wo"], index, lp["mlp_norm"],
-                           stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None, lora=lora_update("o"))
+                           stacks["mlp_norm"], eps, bias=lp["bo"] if cfg.o_bias else None, lora=lora_update("o"),
+                           norm_layer=norm_at["mlp_norm"])
         F2 = 2 * cfg.intermediate_size
         if lw is not None:  # gate | up | the gate_up group's shrink, one product
             gate_up = proj(h, "w_gate_up")
@@ -234,15 +272,19 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         else:
             act = silu_mul(proj(h, "w_gate"), proj(h, "w_up"))
         x, h = mm.residual(x, act, lp["w_down"], stacks["w_down"], index, norm_after, stacks["next_norm"], eps,
-                           lora=lora_update("down"))
+                           lora=lora_update("down"), norm_layer=norm_at["next_norm"])
         return x, h, kv
 
     carry = (x, h, kv)
     if per_layer:
-        for i, lp in enumerate(layers):
-            stacks = {key: a[None] for key, a in lp.items()} | {"next_norm": next_norms[i][None]}
+        for i in range(L):
+            lp = layer_params(params, i)
+            (next_stack, next_i) = next_norms[i]
+            stacks = ({key: a[None] for key, a in layers[i].items()}
+                      | {"mlp_norm": params["layer_vectors"]["mlp_norm"], "next_norm": next_stack})
             lw = lora_lib.layer_weights(lora.weights, i) if lora is not None else None
-            carry = layer(carry, lp, next_norms[i], stacks, 0, i, lw)
+            carry = layer(carry, lp, next_stack[next_i], stacks, 0, i, lw,
+                          norm_index={"mlp_norm": i, "next_norm": next_i})
     elif not unroll:
         stacks = {**layers, "next_norm": next_norm}
 

@@ -113,12 +113,12 @@ class PlainMatmul:
         return swiglu_of(out if n is None else out[..., :2 * n])
 
     def residual(self, h: jax.Array, y: jax.Array, w: jax.Array, stacked: jax.Array, layer, norm: jax.Array,
-                 norm_stack: jax.Array, eps: float, bias: jax.Array | None = None, lora=None
+                 norm_stack: jax.Array, eps: float, bias: jax.Array | None = None, lora=None, norm_layer=None
                  ) -> tuple[jax.Array, jax.Array]:
         """h' = h + y @ w (+ bias), and RMSNorm(h') * norm: the residual stream and the next matmul's input.
-        `norm` is this layer's norm weight [D], `norm_stack` [L, D] the stack it comes from (for kernels). w may have
-        more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product) adds the
-        rows' LoRA updates to h first; without `lora` they are dropped."""
+        `norm` is the norm weight [D], row `norm_layer` (default: `layer`) of `norm_stack` [L, D] (for kernels). w
+        may have more columns than h (a LoRA shrink's, models/lora.py INLINE): lora(h, those columns of the product)
+        adds the rows' LoRA updates to h first; without `lora` they are dropped."""
         if self.reduce is not None:  # each shard's product in the activation dtype, summed in it (as vLLM does)
             out = self.reduce(dense(y, w))
         else:
@@ -179,7 +179,7 @@ class XlaMatmul(PlainMatmul):
             return _gemv_rows(x, stacked, layer, glu=True, glu_n=n, interpret=self.interpret)
         return super().glu(x, w, stacked, layer, n)
 
-    def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None, lora=None):
+    def residual(self, h, y, w, stacked, layer, norm, norm_stack, eps, bias=None, lora=None, norm_layer=None):
         gemv_rows = self.residual_min_rows <= _rows(y) <= PALLAS_MAX_ROWS
         if self.residual_gemv and self.reduce is None and bias is None and gemv_rows:
             from pallas_kernels.add_rms_norm import add_rms_norm
@@ -192,9 +192,10 @@ class XlaMatmul(PlainMatmul):
             h2 = h.reshape(-1, D)
             if lora is not None and parts.shape[-1] > D:
                 h2 = lora(h2, jnp.sum(parts[..., D:], axis=0))
-            h2, normed = add_rms_norm(h2, parts, norm_stack, layer, eps=eps, interpret=self.interpret)
+            h2, normed = add_rms_norm(h2, parts, norm_stack, layer if norm_layer is None else norm_layer, eps=eps,
+                                      interpret=self.interpret)
             return h2.reshape(h.shape), normed.reshape(h.shape)
-        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias, lora)
+        return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias, lora, norm_layer)
 
 
 def make(kind, interpret: bool | None = None, reduce=None) -> PlainMatmul:

@@ -44,8 +44,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     moe_rank = {i: r for r, i in enumerate(cfg.moe_layers)}
     dense_rank = {i: r for r, i in enumerate(cfg.dense_layers)}
     if isinstance(params["layers"], (tuple, list)):  # per-layer params (llama.unstack_layers): the unrolled loop
+        vectors = params.get("layer_vectors", {})  # norms and biases stay [L, ...] stacks (llama.unstack_layers)
         for i, lp in enumerate(params["layers"]):
-            x, kv, h = attention(x, kv, lp, i)
+            x, kv, h = attention(x, kv, {**lp, **{key: v[i] for key, v in vectors.items()}}, i)
             if i in moe_rank:  # the kernels take a stack and an index: this layer's experts as a stack of one
                 experts = jax.tree_util.tree_map(lambda a: a[None], params["moe"][moe_rank[i]])
                 x = x + reduce(moe.moe_ffn(h, experts, 0, k, norm, moe_backend))

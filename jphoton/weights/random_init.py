@@ -121,11 +121,15 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0, *, fused: bool = False
                     for p in parts:
                         del names[p]
         L = next(iter(names.values()))[0]
-        if per_layer:
-            out[group] = tuple({n: layer_leaf(group, n, tuple(s[1:]), i) for n, s in names.items()} for i in range(L))
-            continue
+        stack_names = names
+        if per_layer:  # matrices one array per layer; the layers' vectors stay stacked (llama.unstack_layers)
+            stack_names = {n: s for n, s in names.items() if group == "layers" and len(s) == 2}
+            out[group] = tuple({n: layer_leaf(group, n, tuple(s[1:]), i) for n, s in names.items()
+                                if n not in stack_names} for i in range(L))
+            if not stack_names:
+                continue
         stacked = {}
-        for n, s in names.items():
+        for n, s in stack_names.items():
             buf = None
             for i in range(L):
                 part = layer_leaf(group, n, tuple(s[1:]), i)
@@ -133,7 +137,7 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0, *, fused: bool = False
                     buf = _stack_buffer(part, L)
                 buf = _set_layer(buf, jnp.int32(i), part)
             stacked[n] = buf
-        out[group] = stacked
+        out["layer_vectors" if per_layer else group] = stacked
     return out
 
 
