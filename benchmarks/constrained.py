@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, closed_loop, default_llm, device_info, write_json  # noqa: E402
+from benchmarks.common import QUICK, add_llm_args, closed_loop, default_llm, device_info, parse_llm_args, write_json  # noqa: E402
 from jphoton import SamplingParams  # noqa: E402
 
 PROMPT = 64
@@ -95,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine option (default: LLM's, or the streams)")
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
     ap.add_argument("--constraints", nargs="+", default=["schema", "coords"], choices=["schema", "coords"])
+    add_llm_args(ap)
     args = ap.parse_args(argv)
     if args.export_tokenizer:
         return export_tokenizer(args.export_tokenizer)
@@ -106,6 +107,7 @@ def main(argv=None):
     print(info, flush=True)
     n_max = max(args.streams)
     extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}  # fewer step shapes (the CPU smoke test)
+    extra.update(parse_llm_args(args.llm_args))
     llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer, **extra)
     constraint = {"schema": dict(json_schema=json.dumps(SCHEMA)), "coords": dict(regex=COORDS)}
     rows, samples = [], []

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, default_llm, device_info, timed_run, write_json  # noqa: E402
+from benchmarks.common import QUICK, add_llm_args, default_llm, device_info, parse_llm_args, timed_run, write_json  # noqa: E402
 from jphoton import SamplingParams  # noqa: E402
 
 
@@ -60,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="e.g. float32: the two arms' tokens then match exactly")
     ap.add_argument("--out", default="prefix_cache.json")
+    add_llm_args(ap)
     args = ap.parse_args(argv)
     if QUICK:
         args.rounds, args.new_tokens = 1, min(args.new_tokens, 32)
@@ -67,7 +68,8 @@ def main(argv=None):
     logging.getLogger("jphoton").setLevel(logging.INFO)
     info = device_info()
     print(info, flush=True)
-    llm = default_llm(args.model, max(args.requests, args.batch), **({"dtype": args.dtype} if args.dtype else {}))
+    llm = default_llm(args.model, max(args.requests, args.batch), **({"dtype": args.dtype} if args.dtype else {}),
+                      **parse_llm_args(args.llm_args))
     rng = np.random.default_rng(0)
 
     shared = []

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, default_llm, device_info, timed_run, write_json  # noqa: E402
+from benchmarks.common import QUICK, add_llm_args, default_llm, device_info, parse_llm_args, timed_run, write_json  # noqa: E402
 from jphoton import SamplingParams  # noqa: E402
 
 SETTINGS = {
@@ -47,6 +47,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--out", default="sampling.json")
+    add_llm_args(ap)
     args = ap.parse_args(argv)
     if QUICK:
         args.rounds, args.new_tokens = 1, min(args.new_tokens, 32)
@@ -54,7 +55,7 @@ def main(argv=None):
     logging.getLogger("jphoton").setLevel(logging.INFO)
     info = device_info()
     print(info, flush=True)
-    llm = default_llm(args.model, max(args.batch))
+    llm = default_llm(args.model, max(args.batch), **parse_llm_args(args.llm_args))
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batch:

@@ -83,17 +83,16 @@ def run_child(model: str, cache: str, wait_ready: bool, timeout: float, llm_args
 
 
 def main(argv=None) -> dict:
+    from benchmarks.common import add_llm_args, device_info, parse_llm_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["random:smollm2-135m", "random:llama3.2-1b"])
     ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--wait-ready", action="store_true", help="decode B=1 while the rest compiles (cold run only)")
     ap.add_argument("--timeout", type=float, default=460)
-    ap.add_argument("--llm-args", default="", help="LLM keyword arguments beside the defaults, k=v,k=v (python "
-                    "literals); none by default: the point is the defaults")
+    add_llm_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from benchmarks.common import device_info, parse_llm_args
-
     llm_args = parse_llm_args(args.llm_args)
 
     result = {**device_info(), "command": "python3 benchmarks/startup.py " + " ".join(argv or sys.argv[1:]),

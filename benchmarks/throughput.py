@@ -20,6 +20,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import (  # noqa: E402
     QUICK,
+    add_llm_args,
     default_llm,
     device_info,
     kv_bytes_read,
@@ -42,8 +43,7 @@ def main(argv=None):
     ap.add_argument("--out", default="throughput.json")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the read-bandwidth probe")
-    ap.add_argument("--llm-args", default="", help="LLM keyword arguments beside the defaults, k=v,k=v (python "
-                    "literals); none by default: the point is the defaults")
+    add_llm_args(ap)
     args = ap.parse_args(argv)
     if QUICK:
         args.batch, args.new_tokens, args.depths = [1, max(args.batch)], min(args.new_tokens, 32), [2]

@@ -12,8 +12,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from benchmarks.common import parse_llm_args
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = "random:smollm2-135m:layers=2:vocab=512"
+# The CPU smoke tests' engine: one decode and one prefill bucket (each step shape costs ~1-2 s to compile here; the
+# benchmarks' point, the default engine, is the GPU runs' business)
+NARROW = "max_num_seqs=2,max_model_len=64,decode_buckets=(2,),prefill_buckets=((1,16),)"
 
 
 def test_gpu_suite_sections_name_only_scripts_that_exist():
@@ -34,17 +39,19 @@ def test_throughput(tmp_path):
 
     # one depth, a narrow engine (CI time): the depths share the code path, the defaults are the GPU runs' business
     rows = main(["--model", TINY, "--batch", "2", "--prompt-len", "16", "--new-tokens", "6", "--depths", "2",
-                 "--llm-args", "max_num_seqs=2,max_model_len=64",
+                 "--llm-args", NARROW,
                  "--bandwidth-gib", "0.01", "--out", str(tmp_path / "t.json")])
     assert [r["depth"] for r in rows] == [2] and all(r["decode_ms"] > 0 for r in rows)
     assert json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert parse_llm_args(NARROW)["prefill_buckets"] == ((1, 16),)  # commas inside a value do not split it
 
 
 def test_sampling(tmp_path):
     from benchmarks.sampling import main
 
     rows = main(["--model", TINY, "--batch", "2", "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1",
-                 "--settings", "greedy", "top_p 0.9", "one top_p 0.9 row", "--out", str(tmp_path / "s.json")])
+                 "--settings", "greedy", "top_p 0.9", "one top_p 0.9 row", "--llm-args", NARROW,
+                 "--out", str(tmp_path / "s.json")])
     timed = [r for r in rows if "setting" in r]
     assert [r["setting"] for r in timed] == ["greedy", "top_p 0.9", "one top_p 0.9 row"]
     assert all(r["decode_ms"] > 0 for r in timed) and timed[0]["vs_greedy"] == 1.0
@@ -56,7 +63,7 @@ def test_prefix_cache(tmp_path):
 
     summary, shared = main(["--model", TINY, "--requests", "3", "--system-len", "40", "--unique-len", "5",
                             "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1",
-                            "--out", str(tmp_path / "p.json")])
+                            "--llm-args", NARROW, "--out", str(tmp_path / "p.json")])
     assert summary["hit_tokens_on"] >= 2 * 32 and summary["compiles"] == 0  # pages of 16: two full ones shared
     off, on = sorted(shared, key=lambda r: r["cache"])
     assert off["hit_tokens"] == 0 and on["token_ids"] == off["token_ids"]
@@ -106,7 +113,8 @@ def test_constrained(tmp_path):
 
     tok = tmp_path / "tok"  # exported from the embedded model on first use
     rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
-                 "--requests-per-stream", "1", "--max-tokens", "24", "--max-num-seqs", "2", "--out", str(tmp_path)])
+                 "--requests-per-stream", "1", "--max-tokens", "24", "--max-num-seqs", "2", "--out", str(tmp_path),
+                 "--llm-args", "max_model_len=128,decode_buckets=(2,),prefill_buckets=((1,64),)"])
     assert (tok / "tokenizer.json").exists()
     assert [r["constraint"] for r in rows] == ["schema", "coords"]
     for row in rows:
@@ -226,7 +234,8 @@ def test_startup(tmp_path):
 
     # the cold run only, and fewer step shapes than the defaults (CI time): a warm run is the same child with the
     # persistent cache filled
-    result = main(["--models", TINY, "--runs", "cold", "--wait-ready", "--llm-args", "max_num_seqs=4,max_model_len=256",
+    result = main(["--models", TINY, "--runs", "cold", "--wait-ready", "--llm-args",
+                   "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),)",
                    "--out", str(tmp_path / "s.json")])
     cold = result["models"][TINY]["cold"]
     assert 0 < cold["import_s"] < cold["llm_s"] < cold["first_token_s"]
