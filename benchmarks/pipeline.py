@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, closed_loop, default_llm, device_info, write_json  # noqa: E402
+from benchmarks.common import QUICK, add_llm_args, closed_loop, default_llm, device_info, parse_llm_args, write_json  # noqa: E402
 
 PROMPT = 64
 
@@ -76,6 +76,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--dtype", default=None)
+    add_llm_args(ap)
     args = ap.parse_args(argv)
     if QUICK:
         args.streams, args.requests_per_stream = [1, max(args.streams)], 2
@@ -85,7 +86,8 @@ def main(argv=None) -> list[dict]:
     for model in args.models:
         results = {}
         for depth in (1, 2):
-            llm = default_llm(model, max(args.streams), dtype=args.dtype, pipeline_depth=depth)
+            llm = default_llm(model, max(args.streams), dtype=args.dtype, pipeline_depth=depth,
+                              **parse_llm_args(args.llm_args))
             for n in args.streams:
                 closed_loop(llm, n, 1, seed=99, lengths=(8, 12))  # compiles every shape the runs step through
                 results[depth, n] = closed_loop(llm, n, args.requests_per_stream, seed=n)

@@ -94,7 +94,8 @@ def test_tensor_parallel(tmp_path):
 def test_pipeline(tmp_path):
     from benchmarks.pipeline import main
 
-    rows = main(["--models", TINY, "--streams", "2", "--requests-per-stream", "1", "--out", str(tmp_path)])
+    rows = main(["--models", TINY, "--streams", "2", "--requests-per-stream", "1", "--out", str(tmp_path),
+                 "--llm-args", "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),)"])
     (row,) = rows
     assert row["tok_s_blocking"] > 0 and row["tok_s_pipelined"] > 0 and row["fwd_plus_sampling_ms"] > 0
     assert (tmp_path / "pipeline.json").exists() and (tmp_path / "pipeline_timelines.json").exists()

@@ -142,7 +142,7 @@ def unstack_layers(params: Params, *, consume: bool = False) -> Params:
     per layer the layers' GEMMs are the same fusion, tuned once. The per-layer vectors of `layers` (norms, biases,
     qk-norms: [L, X] stacks) stay stacked, in `layer_vectors`: a static slice of one fuses into its elementwise
     consumer, a kernel reads the stack at the layer, and every array is one more argument of each step's dispatch
-    (~2 us each on the H100; 104 -> 72 for the 1B, docs/step-shapes.md). Numpy leaves are split into views (no copy);
+    (~1-3 us each on the H100; 104 -> 74 for the 1B, docs/step-shapes.md). Numpy leaves are split into views (no copy);
     device leaves by one jitted split per leaf shape. consume=True pops each stack out of `params` as it goes (peak:
     weights + one leaf). Already-unstacked params come back unchanged, but for vectors still in the per-layer dicts
     (stacked now)."""
