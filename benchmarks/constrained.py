@@ -34,7 +34,15 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, add_llm_args, closed_loop, default_llm, device_info, parse_llm_args, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    QUICK,
+    add_llm_args,
+    closed_loop,
+    default_llm,
+    device_info,
+    parse_llm_args,
+    write_json,
+)
 from jphoton import SamplingParams  # noqa: E402
 
 PROMPT = 64

@@ -27,7 +27,15 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, add_llm_args, closed_loop, default_llm, device_info, parse_llm_args, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    QUICK,
+    add_llm_args,
+    closed_loop,
+    default_llm,
+    device_info,
+    parse_llm_args,
+    write_json,
+)
 
 PROMPT = 64
 
