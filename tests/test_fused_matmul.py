@@ -94,6 +94,7 @@ def test_fused_params_and_matmul_hooks_match_the_unfused_xla_forward(tie):
     again = llama.unstack_layers(old)
     assert again["layers"][1].keys() == per_layer["layers"][1].keys()
     np.testing.assert_array_equal(again["layer_vectors"]["mlp_norm"], fused["layers"]["mlp_norm"])
+    np.testing.assert_allclose(_hidden(old, cfg, tokens, mm)[0], ref_h, rtol=1e-4, atol=1e-4)  # forward takes it too
 
     consumed = dict(params, layers=dict(params["layers"]))
     again = llama.fuse_params(cfg, consumed, consume=True)  # device leaves; the parts leave the caller's dict

@@ -222,8 +222,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     mm = matmul or PlainMatmul()
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    per_layer = isinstance(params["layers"], (tuple, list))
+    if per_layer and "layer_vectors" not in params:  # per-layer dicts still holding their norms: stack them
+        params = unstack_layers(params)
     layers = params["layers"]
-    per_layer = isinstance(layers, (tuple, list))
     # Each sublayer ends by normalising the residual stream for the next matmul (the MLP's norm after attention; the
     # next layer's attention norm, or the final norm, after the MLP), so that a hook can run the residual add and the
     # norm in one kernel: `matmul.residual`. Same ops as norm-at-the-start, in the same order.
