@@ -21,7 +21,8 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, device_info, parse_llm_args, write_json  # noqa: E402
+from benchmarks.common import QUICK, device_info, write_json  # noqa: E402
+from benchmarks.llm_args import parse_llm_args  # noqa: E402
 from jphoton import LLM  # noqa: E402
 
 

@@ -29,13 +29,12 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import (  # noqa: E402
     QUICK,
-    add_llm_args,
     closed_loop,
     default_llm,
     device_info,
-    parse_llm_args,
     write_json,
 )
+from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 
 PROMPT = 64
 

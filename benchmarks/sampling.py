@@ -16,7 +16,8 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import QUICK, add_llm_args, default_llm, device_info, parse_llm_args, timed_run, write_json  # noqa: E402
+from benchmarks.common import QUICK, default_llm, device_info, timed_run, write_json  # noqa: E402
+from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 from jphoton import SamplingParams  # noqa: E402
 
 SETTINGS = {

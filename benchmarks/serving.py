@@ -40,6 +40,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 from server import jphoton_pb2 as pb  # noqa: E402
 from server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -301,7 +302,7 @@ def _p(d: dict) -> str:
 def engine_kwargs(args) -> dict:
     """What `jphoton serve` builds: the default engine (step shapes, KV pool, context), more rows only if a run needs
     more than the default 64 at once."""
-    return dict(pipeline_depth=args.pipeline_depth, max_rows=max(args.concurrency))
+    return dict(pipeline_depth=args.pipeline_depth, max_rows=max(args.concurrency), **parse_llm_args(args.llm_args))
 
 
 def serve_child(spec: dict) -> None:
@@ -456,6 +457,7 @@ def main(argv=None):
     ap.add_argument("--no-engine-baseline", dest="engine_baseline", action="store_false",
                     help="skip timing the engine alone (no gRPC) in the server process before it serves")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_llm_args(ap)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: run as the server child
     args = ap.parse_args(argv)
     from benchmarks.common import QUICK

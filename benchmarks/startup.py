@@ -83,7 +83,8 @@ def run_child(model: str, cache: str, wait_ready: bool, timeout: float, llm_args
 
 
 def main(argv=None) -> dict:
-    from benchmarks.common import add_llm_args, device_info, parse_llm_args
+    from benchmarks.common import device_info
+    from benchmarks.llm_args import add_llm_args, parse_llm_args
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["random:smollm2-135m", "random:llama3.2-1b"])

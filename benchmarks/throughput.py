@@ -20,16 +20,15 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import (  # noqa: E402
     QUICK,
-    add_llm_args,
     default_llm,
     device_info,
     kv_bytes_read,
-    parse_llm_args,
     read_bandwidth,
     timed_run,
     weight_bytes,
     write_json,
 )
+from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 from jphoton import SamplingParams  # noqa: E402
 
 

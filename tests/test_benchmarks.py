@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks.common import parse_llm_args
+from benchmarks.llm_args import parse_llm_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = "random:smollm2-135m:layers=2:vocab=512"
@@ -152,7 +152,8 @@ def test_serving():
     from benchmarks.serving import main
 
     result = main(["--model", TINY, "--concurrency", "3", "--requests-per-client", "2", "--prompt-len", "16",
-                   "--new-tokens", "6", "--client-procs", "2", "--servers", "process"])  # (CI time: not "thread")
+                   "--new-tokens", "6", "--client-procs", "2", "--servers", "process",  # (CI time: not "thread")
+                   "--llm-args", "max_num_seqs=4,max_model_len=64,decode_buckets=(4,),prefill_buckets=((1,16),)"])
     assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
     assert [r["server"] for r in result["rows"]] == ["process", "process"]
     assert result["info"]["backend"] == "cpu"  # reported by the engine's process
