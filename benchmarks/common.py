@@ -45,8 +45,6 @@ def read_bandwidth(gib: float = 8.0, reps: int = 10) -> float:
     return bw
 
 
-
-
 def default_llm(model, max_rows: int = 0, **options):
     """`LLM(model)` as a user builds it: the default step shapes, KV pool and context (`max_num_seqs` raised only when a
     run needs more than the default 64 rows at once), then every shape compiled before anything is timed
