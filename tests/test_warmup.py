@@ -4,6 +4,8 @@ warm-up end to end, and zero compiles once every shape is ready under a random r
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.scheduler import SchedulerConfig, StepShape
-from jphoton.engine.warmup import background_order, first_shapes
+from jphoton.engine.warmup import Warmup, background_order, first_shapes
 
 from conftest import FIXTURES, make_llm, tiny_reference
 
@@ -119,6 +121,83 @@ def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypa
     assert llm.engine.scheduler.ready is None
 
     _random_mix(llm, random.Random(7), constraints=False)  # the tiny model's vocabulary is smaller than its tokenizer's
+
+
+def test_background_traces_the_next_program_while_one_compiles():
+    """The background thread traces program n+1 while program n compiles on the compile thread, never two compiles at
+    once, and marks a shape ready only after its compile; a wanted shape goes next; a failed compile is reported."""
+    cfg = SchedulerConfig(decode_buckets=(2, 4, 8), prefill_buckets=((1, 16),), context_buckets=(4, 16))
+    shapes = cfg.all_shapes()
+    events, lock, running = [], threading.Lock(), [0]
+
+    class Program:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def compile(self):
+            with lock:
+                running[0] += 1
+                assert running[0] == 1, "two compiles at once"
+                events.append(("compile", self.name))
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+                events.append(("compiled", self.name))
+            if self.fail:
+                raise RuntimeError("XLA said no")
+
+    class Runner:
+        filtered_ready = None
+        fail_on = None
+
+        def sampler_variants(self):
+            return ["sampler"]
+
+        def filtered_shapes(self):
+            return [s for s in shapes if not s.prefill_rows][:1]
+
+        def compile_step(self, shape, filtered=False):
+            pass
+
+        def lower_step(self, shape, filtered=False):
+            name = ("filtered", shape) if filtered else shape
+            with lock:
+                events.append(("lower", name))
+            if shape == wanted_after and not filtered:  # the plan asks for a shape while this one compiles
+                sched.wanted = wanted
+            return [Program(name, fail=shape == self.fail_on)]
+
+        def lower_sampler(self, variant):
+            with lock:
+                events.append(("lower", variant))
+            return Program(variant)
+
+    class Sched:
+        config = cfg
+        ready = None
+        wanted = None
+
+    sched, runner = Sched(), Runner()
+    first = first_shapes(shapes, sched)
+    order = background_order(shapes, first, sched)
+    wanted_after, wanted = order[0], order[-1]
+    warm = Warmup(runner, sched, mode="background")
+    warm.start()
+    assert warm.wait(timeout=30) and warm.all_ready
+    lowered = [e[1] for e in events if e[0] == "lower"]
+    expected = order + ["sampler"] + [("filtered", s) for s in runner.filtered_shapes()]
+    assert lowered[1] == wanted and sorted(map(str, lowered)) == sorted(map(str, expected))
+    for i, name in enumerate(lowered[1:], 1):  # program i was traced before program i-1's compile ended
+        assert events.index(("lower", name)) < events.index(("compiled", lowered[i - 1]))
+    assert warm.compiled == set(shapes) and runner.filtered_ready == set(runner.filtered_shapes())
+    assert sched.ready is None
+
+    runner.fail_on, sched.wanted = order[2], None
+    broken = Warmup(runner, Sched(), mode="background")
+    broken.start()
+    with pytest.raises(RuntimeError, match="compiling the step shapes failed"):
+        broken.wait(timeout=30)
+    assert not broken.all_ready and order[2] not in broken.compiled and order[1] in broken.compiled
 
 
 def test_no_compiles_under_a_random_mix_with_constraints(embedded_llm):

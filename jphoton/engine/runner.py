@@ -241,11 +241,16 @@ class Runner:
         abstract arguments, never the live buffers that steps donate). The jitted step's own cache is filled, so the
         engine's next call with this shape dispatches at once. filtered: its top-k / top-p variant. With LoRA on, the
         shape's LoRA variant compiles with it (a shape is ready when both are)."""
-        for lora in ((False, True) if self.lora_enabled else (False,)):
-            specs = self._step_specs if lora else (*self._step_specs[:-1], None)
-            self._steps[filtered, lora].lower(shape, *specs).compile()
+        for lowered in self.lower_step(shape, filtered):
+            lowered.compile()
         if filtered and self.filtered_ready is not None:
             self.filtered_ready.add(shape)
+
+    def lower_step(self, shape: StepShape, filtered: bool = False) -> list:
+        """`compile_step`'s first half, the Python trace (holds the GIL): its programs, lowered, to `.compile()` (XLA,
+        releases the GIL) later or on another thread."""
+        return [self._steps[filtered, lora].lower(shape, *(self._step_specs if lora else (*self._step_specs[:-1], None)))
+                for lora in ((False, True) if self.lora_enabled else (False,))]
 
     def filtered_shapes(self) -> list[StepShape]:
         """The shapes that have a top-k / top-p variant: decode-only steps (one more program per decode bucket)."""
@@ -253,8 +258,12 @@ class Runner:
 
     def compile_sampler(self, variant: SamplerVariant) -> None:
         """Compile one second sampler ahead of time (as `compile_step`)."""
+        self.lower_sampler(variant).compile()
+
+    def lower_sampler(self, variant: SamplerVariant):
+        """`compile_sampler`'s first half (as `lower_step`)."""
         buffer = jax.ShapeDtypeStruct(self._sampler_input(variant).buffer.shape, jnp.int32, sharding=self._sharding)
-        self._resample.lower(*variant, *self._sampler_specs, buffer).compile()
+        return self._resample.lower(*variant, *self._sampler_specs, buffer)
 
     def warmup(self, shapes: Iterable[StepShape] | None = None, progress: bool = False) -> float:
         """Compile every given step shape (default: all) and every second sampler now, so serving never compiles."""

@@ -2,16 +2,18 @@
 
 Modes (`EngineConfig.warmup`):
   "background" (default)  the shapes a first request needs (the smallest decode step and one prefill step) compile
-                          before `LLM()` returns; every other shape and second sampler compiles on one background
-                          thread, and the scheduler plans only with ready shapes (`Scheduler.ready`): a long prompt runs
-                          in chunks through a ready prefill shape, decode rows beyond the largest ready bucket take
-                          turns. A shape a plan could not use goes to the front of the queue (`Scheduler.wanted`).
+                          before `LLM()` returns; every other shape and second sampler compiles in the background
+                          (one compile at a time), and the scheduler plans only with ready shapes
+                          (`Scheduler.ready`): a long prompt runs in chunks through a ready prefill shape, decode rows
+                          beyond the largest ready bucket take turns. A shape a plan could not use goes to the front
+                          of the queue (`Scheduler.wanted`).
   "full"                  every shape compiles before `LLM()` returns.
   "off"                   nothing ahead of time: a shape compiles when a step first needs it (tests, probes).
 
-Why one background thread: on one GPU, concurrent compiles ran ~5x slower each (XLA's autotuner times kernels on the
-device; docs/step-shapes.md). The first tier compiles on two threads: tracing one shape (Python, holds the GIL)
-overlaps the other's XLA compile (releases it).
+Why one XLA compile at a time: on one GPU, concurrent compiles ran ~5x slower each (XLA's autotuner times kernels on
+the device; docs/step-shapes.md). Tracing a shape (Python, holds the GIL) overlaps another's XLA compile (releases it):
+the first tier's two shapes compile on two threads, and the background traces the next program while one compile
+thread compiles the previous.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -154,6 +157,8 @@ class Warmup:
 
     # ---- the background thread -------------------------------------------------------------------------------------
     def _run(self, queue: list[StepShape]) -> None:
+        """Two stages: this thread traces the next program (Python, holds the GIL) while a compile thread compiles the
+        previous one (XLA, releases it); one XLA compile at a time (module docstring)."""
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -161,33 +166,22 @@ class Warmup:
             bar = tqdm(total=len(queue) + len(self.samplers) + len(self.filtered),
                        desc="compiling step shapes (serving meanwhile)",
                        unit="shape", leave=False)
+        pending = None  # (the compile in progress, what to mark ready after it)
+        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
         try:
-            samplers_after = sum(1 for s in queue if not s.prefill_rows)  # decode buckets, then samplers
-            while queue and not self._stop.is_set():
-                wanted = self.scheduler.wanted
-                self.scheduler.wanted = None
-                shape = wanted if wanted in queue else queue[0]
-                queue.remove(shape)
-                self.runner.compile_step(shape)
-                self.compiled.add(shape)
-                self.scheduler.ready = frozenset(self.compiled)
-                if bar is not None:
-                    bar.update()
-                samplers_after -= not shape.prefill_rows
-                if samplers_after <= 0 and self.samplers_compiled < len(self.samplers):
-                    self._compile_samplers(bar)
-            self._compile_samplers(bar)
-            for shape in self.filtered:
-                if self._stop.is_set():
-                    break
-                self.runner.compile_step(shape, filtered=True)
-                if bar is not None:
-                    bar.update()
+            for lowered, mark_ready in itertools.chain(self._lowered(queue), [(None, None)]):  # lazily: one ahead
+                if pending is not None:
+                    pending[0].result()
+                    pending[1]()
+                    if bar is not None:
+                        bar.update()
+                pending = None if lowered is None else (compiler.submit(_compile_all, lowered), mark_ready)
         except BaseException as e:  # noqa: BLE001 -- reported by stats() and wait(), logged here
             self.error = e
             log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
                           len(self.compiled))
         finally:
+            compiler.shutdown(wait=True)  # never leave a compile running (process exit)
             if bar is not None:
                 bar.close()
         if not self._stop.is_set() and self.error is None:
@@ -196,12 +190,33 @@ class Warmup:
             self._done.set()
         atexit.unregister(self._atexit)
 
-    def _compile_samplers(self, bar) -> None:
-        while self.samplers_compiled < len(self.samplers) and not self._stop.is_set():
-            self.runner.compile_sampler(self.samplers[self.samplers_compiled])
-            self.samplers_compiled += 1
-            if bar is not None:
-                bar.update()
+    def _lowered(self, queue: list[StepShape]):
+        """Yields (lowered programs, what marks them ready) in compile order: the queue (a shape a plan could not use
+        first), the second samplers once the decode buckets are in, the top-k / top-p decode variants last."""
+        samplers_after = sum(1 for s in queue if not s.prefill_rows)  # decode buckets, then samplers
+        samplers = list(self.samplers)
+        while queue and not self._stop.is_set():
+            wanted = self.scheduler.wanted
+            self.scheduler.wanted = None
+            shape = wanted if wanted in queue else queue[0]
+            queue.remove(shape)
+            yield self.runner.lower_step(shape), functools.partial(self._shape_ready, shape)
+            samplers_after -= not shape.prefill_rows
+            while samplers_after <= 0 and samplers and not self._stop.is_set():
+                yield [self.runner.lower_sampler(samplers.pop(0))], self._sampler_ready
+        while samplers and not self._stop.is_set():
+            yield [self.runner.lower_sampler(samplers.pop(0))], self._sampler_ready
+        for shape in self.filtered:
+            if self._stop.is_set():
+                break
+            yield self.runner.lower_step(shape, filtered=True), functools.partial(self.runner.filtered_ready.add, shape)
+
+    def _shape_ready(self, shape: StepShape) -> None:
+        self.compiled.add(shape)
+        self.scheduler.ready = frozenset(self.compiled)
+
+    def _sampler_ready(self) -> None:
+        self.samplers_compiled += 1
 
     def _finish(self) -> None:
         self.all_ready_s = time.perf_counter() - self._t0
@@ -209,6 +224,11 @@ class Warmup:
         self._done.set()
         log.info("all %d step shapes ready (%d second samplers, %d top-k/top-p decode variants) in %.1fs",
                  len(self.shapes), len(self.samplers), len(self.filtered), self.all_ready_s)
+
+
+def _compile_all(lowered: list) -> None:
+    for program in lowered:
+        program.compile()
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
