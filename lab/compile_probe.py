@@ -34,7 +34,7 @@ def _compile(runner, shape) -> tuple[float, float]:
     t2 = time.perf_counter()
     try:  # what the compiled program runs: copies of weight slices would show as copy / dynamic-slice kernels
         text = compiled.as_text()
-        _HLO_COUNTS[shape] = {k: text.count(k) for k in (" copy(", "dynamic-slice(", "fusion(", "custom-call(")}
+        _HLO_COUNTS[shape] = {k: text.count(k) for k in (" copy(", "dynamic-slice(", "fusion(", "custom-call(", " call(")}
     except Exception as e:  # noqa: BLE001 (a probe: report, go on)
         _HLO_COUNTS[shape] = {"error": repr(e)}
     return t1 - t0, t2 - t1

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once, next_pow2, use_interpret
+from pallas_kernels.common import log_once, next_pow2, traced_once, use_interpret
 
 log = logging.getLogger("jphoton.kernels")
 
@@ -51,6 +51,7 @@ def _kernel(layer_ref, h_ref, p_ref, w_ref, h_out_ref, n_out_ref, *, S, Sp, D, D
     plgpu.store(n_out_ref.at[r, cols], normed.astype(n_out_ref.dtype), mask=mask)
 
 
+@traced_once
 def add_rms_norm(h: jax.Array, parts: jax.Array, weight: jax.Array, layer=None, *, eps: float, num_warps: int = 8,
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """h [M, D] + sum(parts [S, M, D]) -> (h', RMSNorm(h') * weight) (parts may have more columns after D, unread:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once, use_interpret  # noqa: F401 (use_interpret: public here)
+from pallas_kernels.common import log_once, traced_once, use_interpret  # noqa: F401 (use_interpret: public here)
 from pallas_kernels.common import next_pow2 as _pow2
 
 log = logging.getLogger("jphoton.kernels")
@@ -206,6 +206,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, Mp, K, N, BN, BK, chunks,
         plgpu.store(out_ref(pl.ds(0, Mp)), acc.astype(o_ref.dtype), mask=rows[:, None] & nmask[None, :])
 
 
+@traced_once
 def gemv(x: jax.Array, w: jax.Array, layer=None, *, transposed: bool = False, out_dtype=None, glu: bool = False,
          glu_n: int | None = None, n: int | None = None, partials: bool = False, config: GemvConfig | None = None,
          interpret: bool | None = None) -> jax.Array:

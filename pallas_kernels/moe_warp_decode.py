@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once
+from pallas_kernels.common import log_once, traced_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -281,6 +281,7 @@ def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
         raise ValueError(f"weight shapes {w_gate.shape} / {w_down.shape} do not fit x {x.shape}")
 
 
+@traced_once
 def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None, *,
                     config: WarpDecodeConfig | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """The routed-experts part of a MoE layer for T tokens: y[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t]).

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once
+from pallas_kernels.common import log_once, traced_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -279,6 +279,15 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     packed = isinstance(new_kv, str)
     if packed and new_kv != "packed":
         raise ValueError(f"new_kv must be None, (k, v) or 'packed', got {new_kv!r}")
+    # one trace and Triton lowering for every layer of a program (`traced_once`): the options static, the arrays not
+    return _paged_decode_attention(q, k_pool, v_pool, layer, block_table, ctx_len, None if packed else new_kv,
+                                   page_size=page_size, max_pages=max_pages, sliding_window=sliding_window,
+                                   packed=packed, config=config, interpret=interpret)
+
+
+@traced_once
+def _paged_decode_attention(q, k_pool, v_pool, layer, block_table, ctx_len, new_kv, *, page_size, max_pages,
+                            sliding_window, packed, config, interpret):
     Hkv = k_pool.shape[2]
     qkv = q
     if packed:
@@ -286,7 +295,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
             raise ValueError(f"packed q must be [R, Hq + 2 * Hkv, hd] with Hkv = {Hkv}, got {q.shape}")
         q = jax.ShapeDtypeStruct((q.shape[0], q.shape[1] - 2 * Hkv, q.shape[2]), q.dtype)  # shapes only, from here
     check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window)
-    write = new_kv is not None
+    write = packed or new_kv is not None
     if write and not packed:
         k_new, v_new = new_kv
         want = (q.shape[0], *k_pool.shape[2:])

@@ -113,3 +113,28 @@ def test_gemv_lowers_to_triton_at_the_1b_shapes(glu):
     fn = jax.jit(lambda x, w, layer: gemv(x, w, layer, glu=glu, interpret=False))
     text = fn.trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+def test_a_layer_loop_traces_and_lowers_each_kernel_once():
+    """`traced_once` (pallas_kernels/common.py): a program that calls the GEMV, the add + RMSNorm and the paged
+    attention kernels once per layer holds each Triton kernel once (called per layer), not once per layer: a step
+    shape's Python trace no longer grows with the layer count."""
+    from pallas_kernels.add_rms_norm import add_rms_norm
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+    L, dt = 6, jnp.bfloat16
+
+    def layers(x, w, norms, qkv, k_pool, v_pool, table, ctx):
+        for i in range(L):
+            x, _ = add_rms_norm(x, gemv(x, w[i], partials=True, interpret=False), norms, i, eps=1e-6, interpret=False)
+            out, (k_pool, v_pool) = paged_decode_attention(qkv, k_pool, v_pool, i, table, ctx, page_size=16,
+                                                           new_kv="packed", interpret=False)
+            qkv = qkv + out.sum()  # (each layer reads the last: one kernel variant for every layer)
+        return x, qkv, k_pool, v_pool  # (an unused output would make the last call a pruned variant)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 256), dt), S((L, 256, 256), dt), S((L, 256), dt), S((2, 8 + 4, 64), dt),
+            S((L, 64 * 16, 2, 64), dt), S((L, 64 * 16, 2, 64), dt), S((2, 8), jnp.int32), S((2,), jnp.int32))
+    text = jax.jit(layers).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # (18 before: three kernels in each of 6 layers)
+    assert text.count("call @gemv(") == text.count("call @add_rms_norm(") == L
