@@ -23,6 +23,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +36,7 @@ log = logging.getLogger("jphoton.engine")
 MODES = WARMUP
 FIRST_PREFILL_TOKENS = 128  # the first tier's prefill bucket: the largest one-row bucket up to this many tokens
 FIRST_CONTEXT_TOKENS = 512  # ... over the smallest context bucket of at least this many tokens
+YIELD_EVERY_S = 0.0002  # the tracing thread hands the GIL over at least this often (`polite_profile`)
 
 
 def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShape]:
@@ -157,8 +159,9 @@ class Warmup:
 
     # ---- the background thread -------------------------------------------------------------------------------------
     def _run(self, queue: list[StepShape]) -> None:
-        """Two stages: this thread traces the next program (Python, holds the GIL) while a compile thread compiles the
-        previous one (XLA, releases it); one XLA compile at a time (module docstring)."""
+        """Two stages: this thread traces the next program (Python, holds the GIL; `polite_profile` hands it to the
+        engine often) while a compile thread compiles the previous one (XLA, releases it); one XLA compile at a time
+        (module docstring)."""
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -168,6 +171,7 @@ class Warmup:
                        unit="shape", leave=False)
         pending = None  # (the compile in progress, what to mark ready after it)
         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
+        sys.setprofile(polite_profile())  # this thread only
         try:
             for lowered, mark_ready in itertools.chain(self._lowered(queue), [(None, None)]):  # lazily: one ahead
                 if pending is not None:
@@ -181,6 +185,7 @@ class Warmup:
             log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
                           len(self.compiled))
         finally:
+            sys.setprofile(None)
             compiler.shutdown(wait=True)  # never leave a compile running (process exit)
             if bar is not None:
                 bar.close()
@@ -224,6 +229,26 @@ class Warmup:
         self._done.set()
         log.info("all %d step shapes ready (%d second samplers, %d top-k/top-p decode variants) in %.1fs",
                  len(self.shapes), len(self.samplers), len(self.filtered), self.all_ready_s)
+
+
+def polite_profile(every_s: float = YIELD_EVERY_S):
+    """A profile hook (`sys.setprofile`) for a thread that traces step shapes while the engine serves. Tracing is
+    pure Python and holds the GIL; the engine thread releases the GIL at every wait on the device and would then wait
+    up to the interpreter's switch interval (5 ms) to get it back, for every handoff: a B=1 decode ran at 0.05x while
+    shapes were traced (docs/lab-log.md, 2026-11-27). With the hook the tracing thread sleeps briefly at the first
+    call after every `every_s` of tracing, so the engine gets the GIL back within ~0.2 ms; tracing takes 2-3x longer,
+    hidden behind the previous shape's XLA compile. (A short switch interval instead shares the GIL evenly and
+    slowed the engine's own host work: docs/lab-log.md.)"""
+    clock, sleep = time.perf_counter, time.sleep
+    last = clock()
+
+    def hook(frame, event, arg):
+        nonlocal last
+        if event == "call" and clock() - last > every_s:
+            sleep(1e-6)  # (sleep(0) may take the GIL straight back before a waiting thread wakes)
+            last = clock()
+
+    return hook
 
 
 def _compile_all(lowered: list) -> None:

@@ -1,0 +1,112 @@
+"""What slows a running decode while step shapes compile in the background (issue 22): the Python trace (GIL), XLA's
+compile (CPU threads, GPU autotuning), or plain CPU load.
+    python lab/probes/compile_contention.py [--model random:llama3.2-1b] [--shapes 8] [--seconds 8]
+A B=1 decode loop (64-token requests back to back) runs in the main thread through the phases; a second thread does:
+idle; trace (lower) 3N shapes without compiling; N more with the warm-up's `polite_profile` hook; compile N of the
+first programs one at a time (the persistent cache on, as `LLM()` sets it); N more with the persistent cache off; N
+more from a thread at nice 10; a numpy matmul on every core (CPU load without the GIL and the GPU); idle again.
+Prints tok/s per phase (mean, median, p10) and mean / idle."""
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from jphoton import LLM, SamplingParams
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="random:llama3.2-1b")
+ap.add_argument("--shapes", type=int, default=8)
+ap.add_argument("--seconds", type=float, default=8.0)
+ap.add_argument("--phases", nargs="+", default=None, help="a subset of the phases, in order")
+args = ap.parse_args()
+llm = LLM(args.model, warmup="off", progress=False)
+runner = llm.engine.runner
+prompt = {"prompt_token_ids": list(range(1, 65))}
+params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+for _ in range(10):
+    llm.generate(prompt, params)  # compiles what B=1 uses
+shapes = [s for s in runner.sched.all_shapes() if s.prefill_rows][-4 * args.shapes:]  # (the largest: not used above)
+
+
+def decode_while(work) -> dict:
+    done = threading.Event()
+    rates, t_work, busy = [], [0.0], []  # busy: request seconds while the work ran
+
+    def background():
+        t = time.perf_counter()
+        work()
+        t_work[0] = time.perf_counter() - t
+        done.set()
+
+    th = threading.Thread(target=background, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    while not done.is_set() or time.perf_counter() - t0 < args.seconds:
+        t, working = time.perf_counter(), not done.is_set()
+        llm.generate(prompt, params)
+        rates.append(64 / (time.perf_counter() - t))
+        if working:
+            busy.append(time.perf_counter() - t)
+        if done.is_set() and time.perf_counter() - t0 >= args.seconds:
+            break
+    th.join()
+    return {"tok_s": statistics.mean(rates), "median": statistics.median(rates),
+            "p10": float(np.percentile(rates, 10)), "requests": len(rates), "work_s": round(t_work[0], 2),
+            "tok_s_while_working": 64 * len(busy) / sum(busy) if busy else None}
+
+
+def _until(seconds, fn):
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        fn()
+
+
+def _compile(programs, cache=True, nice=0):
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", cache)
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # this thread (and threads it starts)
+    for p in programs:
+        p.compile()
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+def _polite(fn):
+    import sys
+
+    from jphoton.engine.warmup import polite_profile
+
+    sys.setprofile(polite_profile())
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+
+
+lowered = []
+a = np.random.rand(2048, 2048).astype(np.float32)
+phases = {
+    "idle": lambda: time.sleep(args.seconds),
+    "trace": lambda: lowered.extend(runner.lower_step(s)[0] for s in shapes[:3 * args.shapes]),
+    "trace_polite": lambda: _polite(lambda: [runner.lower_step(s) for s in shapes[3 * args.shapes:]]),
+    "compile": lambda: _compile(lowered[:args.shapes]),
+    "compile_no_cache": lambda: _compile(lowered[args.shapes:2 * args.shapes], cache=False),
+    "compile_nice10": lambda: _compile(lowered[2 * args.shapes:], nice=10),
+    "cpu_load": lambda: _until(args.seconds, lambda: a @ a),
+    "idle_after": lambda: time.sleep(args.seconds),
+}
+out = {}
+for name, work in phases.items():
+    if args.phases and name not in args.phases:
+        continue
+    out[name] = decode_while(work)
+    print(name, out[name], flush=True)
+base = statistics.mean(out[k]["tok_s"] for k in ("idle", "idle_after") if k in out)
+print(json.dumps({"model": args.model, "shapes": len(shapes),
+                  "ratio_to_idle": {k: round(v["tok_s"] / base, 3) for k, v in out.items()}, "phases": out}))
