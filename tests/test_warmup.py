@@ -4,6 +4,7 @@ warm-up end to end, and zero compiles once every shape is ready under a random r
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
+from jphoton.engine import warmup
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.scheduler import SchedulerConfig, StepShape
 from jphoton.engine.warmup import Warmup, background_order, first_shapes
@@ -128,13 +130,14 @@ def test_background_traces_the_next_program_while_one_compiles():
     once, and marks a shape ready only after its compile; a wanted shape goes next; a failed compile is reported."""
     cfg = SchedulerConfig(decode_buckets=(2, 4, 8), prefill_buckets=((1, 16),), context_buckets=(4, 16))
     shapes = cfg.all_shapes()
-    events, lock, running = [], threading.Lock(), [0]
+    events, lock, running, profiled = [], threading.Lock(), [0], []
 
     class Program:
         def __init__(self, name, fail=False):
             self.name, self.fail = name, fail
 
         def compile(self):
+            profiled.append(("compile", sys.getprofile() is not None))
             with lock:
                 running[0] += 1
                 assert running[0] == 1, "two compiles at once"
@@ -160,6 +163,7 @@ def test_background_traces_the_next_program_while_one_compiles():
             pass
 
         def lower_step(self, shape, filtered=False):
+            profiled.append(("lower", sys.getprofile() is not None))
             name = ("filtered", shape) if filtered else shape
             with lock:
                 events.append(("lower", name))
@@ -190,6 +194,9 @@ def test_background_traces_the_next_program_while_one_compiles():
     for i, name in enumerate(lowered[1:], 1):  # program i was traced before program i-1's compile ended
         assert events.index(("lower", name)) < events.index(("compiled", lowered[i - 1]))
     assert warm.compiled == set(shapes) and runner.filtered_ready == set(runner.filtered_shapes())
+    # the tracing thread runs under the polite hook (it hands the GIL to the engine), the compile thread does not
+    assert {p for what, p in profiled if what == "lower"} == {True}
+    assert {p for what, p in profiled if what == "compile"} == {False}
     assert sched.ready is None
 
     runner.fail_on, sched.wanted = order[2], None
@@ -198,6 +205,26 @@ def test_background_traces_the_next_program_while_one_compiles():
     with pytest.raises(RuntimeError, match="compiling the step shapes failed"):
         broken.wait(timeout=30)
     assert not broken.all_ready and order[2] not in broken.compiled and order[1] in broken.compiled
+
+
+def test_polite_profile_sleeps_at_a_call_after_every_interval(monkeypatch):
+    """The hook sleeps (hands the GIL over) at the first Python call after each interval of tracing, and never
+    between (it costs the tracing thread its sleeps only)."""
+    slept = []
+    monkeypatch.setattr(warmup.time, "sleep", slept.append)
+
+    def work(n):
+        return sum(abs(i) for i in range(n))
+
+    for every_s, expect_many in ((0.0, True), (60.0, False)):
+        slept.clear()
+        sys.setprofile(warmup.polite_profile(every_s))
+        try:
+            for _ in range(200):
+                work(10)
+        finally:
+            sys.setprofile(None)
+        assert (len(slept) >= 200) if expect_many else not slept
 
 
 def test_no_compiles_under_a_random_mix_with_constraints(embedded_llm):
