@@ -171,6 +171,7 @@ class Warmup:
                        unit="shape", leave=False)
         pending = None  # (the compile in progress, what to mark ready after it)
         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
+        profiler = sys.getprofile()  # (a profiler's hook, if one was installed for new threads: restored at the end)
         sys.setprofile(polite_profile())  # this thread only
         try:
             for lowered, mark_ready in itertools.chain(self._lowered(queue), [(None, None)]):  # lazily: one ahead
@@ -185,7 +186,7 @@ class Warmup:
             log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
                           len(self.compiled))
         finally:
-            sys.setprofile(None)
+            sys.setprofile(profiler)
             compiler.shutdown(wait=True)  # never leave a compile running (process exit)
             if bar is not None:
                 bar.close()
