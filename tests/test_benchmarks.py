@@ -244,3 +244,13 @@ def test_startup(tmp_path):
     assert cold["shapes_at_first_token"] >= 2 and cold["shapes_total"] > cold["shapes_at_first_token"]
     assert cold["all_shapes_ready"] and cold["compiles_after_ready"] == 0 and cold["decode_b1"]["after_tok_s"]
     assert json.loads((tmp_path / "s.json").read_text())["models"][TINY]["cold"]
+
+
+def test_startup_decode_during_is_tokens_over_time():
+    """Decode during the compile is what a decode loop gets, tokens over time: one 64-token request stalled to 1 tok/s
+    among nine at 100 weighs by its 64 s, not as one request in ten."""
+    from benchmarks.startup import time_weighted
+
+    rates = [100.0] * 9 + [1.0]
+    assert time_weighted(rates) == pytest.approx(10 * 64 / (9 * 0.64 + 64))
+    assert time_weighted(rates) < 10 < sum(rates) / len(rates)  # (the mean of the rates: 90.1)
