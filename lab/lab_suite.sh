@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECTIONS="probe-h2d probe-dispatch decode-matmul decode-matmul-e2e glu-sweep sampler-noise stream-headroom mosaic-stream
-  sampler-argmax weight-layouts"
+  sampler-argmax weight-layouts lower-profile compile-contention"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
@@ -20,6 +20,10 @@ run() {
 for section in "$@"; do
   case $section in
     probe-h2d) run "$section" python3 lab/probes/h2d_while_busy.py ;;
+    lower-profile)  # where a 1B step shape's Python trace + lowering goes (cProfile; ~25 s)
+      run "$section" python3 lab/probes/lower_profile.py random:llama3.2-1b --top 40 ;;
+    compile-contention)  # B=1 decode while another thread traces / compiles / loads the CPU (~200 s)
+      run "$section" python3 lab/probes/compile_contention.py --shapes 8 --seconds 10 ;;
     probe-dispatch)
       run "$section" python3 lab/probes/dispatch_cost.py --out "$OUT" --tag default
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" run "$section-nographs" \
