@@ -4,7 +4,9 @@ compile (CPU threads, GPU autotuning), or plain CPU load.
 A B=1 decode loop (64-token requests back to back) runs in the main thread through the phases; a second thread does:
 idle; trace (lower) 3N shapes without compiling; N more with the warm-up's `polite_profile` hook; compile N of the
 first programs one at a time (the persistent cache on, as `LLM()` sets it); N more with the persistent cache off; N
-more from a thread at nice 10; a numpy matmul on every core (CPU load without the GIL and the GPU); idle again.
+more from a thread at nice 10; serialize the compiled programs (what the persistent cache writes, and what a compile
+worker process would send); load them back (`deserialize_and_load`: a worker process's programs arriving); a numpy
+matmul on every core (CPU load without the GIL and the GPU); idle again.
 Prints tok/s per phase (mean, median, p10) and mean / idle."""
 
 import argparse
@@ -72,9 +74,35 @@ def _compile(programs, cache=True, nice=0):
     jax.config.update("jax_enable_compilation_cache", cache)
     if nice:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # this thread (and threads it starts)
-    for p in programs:
-        p.compile()
+    out = [p.compile() for p in programs]
     jax.config.update("jax_enable_compilation_cache", True)
+    return out
+
+
+compiled, serialized, costs = [], [], {"serialize_s": [], "load_s": [], "bytes": []}
+
+
+def _compile_keep(programs, **kw):
+    compiled.extend(_compile(programs, **kw))
+
+
+def _serialize():
+    from jax.experimental.serialize_executable import serialize
+
+    for c in compiled:
+        t = time.perf_counter()
+        serialized.append(serialize(c))
+        costs["serialize_s"].append(time.perf_counter() - t)
+        costs["bytes"].append(len(serialized[-1][0]))
+
+
+def _load():
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    for payload, in_tree, out_tree in serialized:
+        t = time.perf_counter()
+        deserialize_and_load(payload, in_tree, out_tree)
+        costs["load_s"].append(time.perf_counter() - t)
 
 
 def _polite(fn):
@@ -95,9 +123,11 @@ phases = {
     "idle": lambda: time.sleep(args.seconds),
     "trace": lambda: lowered.extend(runner.lower_step(s)[0] for s in shapes[:3 * args.shapes]),
     "trace_polite": lambda: _polite(lambda: [runner.lower_step(s) for s in shapes[3 * args.shapes:]]),
-    "compile": lambda: _compile(lowered[:args.shapes]),
+    "compile": lambda: _compile_keep(lowered[:args.shapes]),
     "compile_no_cache": lambda: _compile(lowered[args.shapes:2 * args.shapes], cache=False),
     "compile_nice10": lambda: _compile(lowered[2 * args.shapes:], nice=10),
+    "serialize": _serialize,
+    "load": _load,
     "cpu_load": lambda: _until(args.seconds, lambda: a @ a),
     "idle_after": lambda: time.sleep(args.seconds),
 }
@@ -108,5 +138,6 @@ for name, work in phases.items():
     out[name] = decode_while(work)
     print(name, out[name], flush=True)
 base = statistics.mean(out[k]["tok_s"] for k in ("idle", "idle_after") if k in out)
-print(json.dumps({"model": args.model, "shapes": len(shapes),
+costs = {k: [round(x, 4) for x in v] for k, v in costs.items()}
+print(json.dumps({"model": args.model, "shapes": len(shapes), "costs": costs,
                   "ratio_to_idle": {k: round(v["tok_s"] / base, 3) for k, v in out.items()}, "phases": out}))
