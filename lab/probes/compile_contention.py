@@ -6,7 +6,8 @@ idle; trace (lower) 3N shapes without compiling; N more with the warm-up's `poli
 first programs one at a time (the persistent cache on, as `LLM()` sets it); N more with the persistent cache off; N
 more from a thread at nice 10; serialize the compiled programs (what the persistent cache writes, and what a compile
 worker process would send); load them back (`deserialize_and_load`: a worker process's programs arriving); a numpy
-matmul on every core (CPU load without the GIL and the GPU); idle again.
+matmul on every core (CPU load without the GIL and the GPU); N compiles in a second process (a compile worker: no
+GIL shared), with XLA's defaults, with GPU autotuning off, and with one LLVM compile thread; idle again.
 Prints tok/s per phase (mean, median, p10) and mean / idle."""
 
 import argparse
@@ -25,7 +26,19 @@ ap.add_argument("--model", default="random:llama3.2-1b")
 ap.add_argument("--shapes", type=int, default=8)
 ap.add_argument("--seconds", type=float, default=8.0)
 ap.add_argument("--phases", nargs="+", default=None, help="a subset of the phases, in order")
+ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the second process
 args = ap.parse_args()
+if args.compile_only:
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    llm = LLM(args.model, warmup="off", progress=False, num_kv_pages=256)
+    programs = [p for s in llm.engine.runner.sched.all_shapes()[-args.shapes:] for p in llm.engine.runner.lower_step(s)]
+    print("COMPILING", flush=True)
+    for p in programs:
+        p.compile()
+    print("DONE", flush=True)
+    raise SystemExit(0)
 llm = LLM(args.model, warmup="off", progress=False)
 runner = llm.engine.runner
 prompt = {"prompt_token_ids": list(range(1, 65))}
@@ -105,6 +118,28 @@ def _load():
         costs["load_s"].append(time.perf_counter() - t)
 
 
+def _in_process(flags: str):
+    """Compile N shapes in a second process; returns once it starts compiling, the work ends when it is done."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+    proc = subprocess.Popen([sys.executable, __file__, "--compile-only", "--model", args.model,
+                             "--shapes", str(args.shapes)], env=env, stdout=subprocess.PIPE, text=True)
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("COMPILING"):
+                started.set()
+        started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    started.wait()
+    return proc
+
+
 def _polite(fn):
     import sys
 
@@ -129,12 +164,17 @@ phases = {
     "serialize": _serialize,
     "load": _load,
     "cpu_load": lambda: _until(args.seconds, lambda: a @ a),
+    "compile_process": "",
+    "compile_process_autotune0": "--xla_gpu_autotune_level=0",
+    "compile_process_par1": "--xla_gpu_force_compilation_parallelism=1",
     "idle_after": lambda: time.sleep(args.seconds),
 }
 out = {}
 for name, work in phases.items():
     if args.phases and name not in args.phases:
         continue
+    if isinstance(work, str):  # a second process: decode measured from its first compile to its last
+        work = _in_process(work).wait
     out[name] = decode_while(work)
     print(name, out[name], flush=True)
 base = statistics.mean(out[k]["tok_s"] for k in ("idle", "idle_after") if k in out)
