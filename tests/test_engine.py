@@ -286,6 +286,8 @@ def test_a_researchers_own_model_plugs_in(hf):
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
     model = JaxModel(cfg, base.params, forward, llama.lm_head, name="my-model")
+    with pytest.raises(ValueError, match="compile_worker=True needs a model jphoton loads"):
+        make_llm(model, warmup="background", compile_worker=True)  # (its functions cannot be rebuilt elsewhere)
     llm = make_llm(model, warmup=False)
     from conftest import tiny_reference
 

@@ -3,6 +3,7 @@ warm-up end to end, and zero compiles once every shape is ready under a random r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import threading
@@ -123,6 +124,49 @@ def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypa
     assert llm.engine.scheduler.ready is None
 
     _random_mix(llm, random.Random(7), constraints=False)  # the tiny model's vocabulary is smaller than its tokenizer's
+
+
+def test_a_compile_worker_process_compiles_the_background_programs():
+    """compile_worker=True: the background programs come from a second process and are loaded here; served tokens
+    match the reference while they arrive and after; every task's programs are installed (steps, second samplers,
+    top-k / top-p variants); the worker process is gone; then a random request mix compiles nothing."""
+    ref = tiny_reference("llama3")
+    llm = make_llm(LLAMA, warmup="background", compile_worker=True)
+    greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [t.tolist() for _, t, _ in ref]
+    assert llm.wait_until_ready(timeout=600)
+    stats, runner = llm.stats(), llm.engine.runner
+    assert stats["compile_path"] == "worker" and stats["all_shapes_ready"]
+    assert stats["shapes_compiled"] == stats["shapes_total"]
+    background = [s for s in runner.sched.all_shapes() if s not in first_shapes(runner.sched.all_shapes(),
+                                                                                 llm.engine.scheduler)]
+    want = ({("step", s, False, False) for s in background} | {("step", s, True, False) for s in
+            runner.filtered_shapes()} | {("sampler", v) for v in runner.sampler_variants()})
+    assert set(runner._programs) == want
+    assert llm.warmup._worker.proc.poll() == 0
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [t.tolist() for _, t, _ in ref]
+    _random_mix(llm, random.Random(5), constraints=False)
+
+
+@pytest.mark.parametrize("failure", ["error", "exit"])
+def test_a_failed_compile_worker_leaves_the_rest_to_this_process(monkeypatch, caplog, failure):
+    """A worker that reports an error or exits early: logged, and this process compiles what is left."""
+    if failure == "error":  # the worker cannot rebuild the model: it reports the exception
+        real = warmup.compile_worker.CompileWorker.__init__
+        monkeypatch.setattr(warmup.compile_worker.CompileWorker, "__init__",
+                            lambda self, spec: real(self, dataclasses.replace(spec, recipe={})))
+    else:  # a process that ends without a word
+        monkeypatch.setattr(warmup.compile_worker.sys, "executable", "true")
+    ref = tiny_reference("llama3")
+    with caplog.at_level("WARNING", logger="jphoton.engine"):
+        llm = make_llm(LLAMA, warmup="background", compile_worker=True)
+        assert llm.wait_until_ready(timeout=600)
+    assert llm.stats()["compile_path"] == "in-process" and not llm.engine.runner._programs
+    assert "compile worker failed" in caplog.text and ("KeyError" in caplog.text or failure == "exit")
+    greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], greedy)
+    assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
 
 
 def test_background_traces_the_next_program_while_one_compiles():
@@ -248,6 +292,12 @@ def _random_mix(llm, rnd: random.Random, constraints: bool, rounds: int = 3) -> 
                   for _ in range(n)]
         assert len(llm.generate(prompts, params)) == n
     assert llm.stats()["num_compiles"] == before
+
+
+def test_compile_worker_option_is_checked():
+    assert EngineConfig().compile_worker is None
+    with pytest.raises(ValueError, match="compile_worker must be True, False or None"):
+        EngineConfig(compile_worker="yes")
 
 
 def test_warmup_option_is_checked():

@@ -85,6 +85,10 @@ class EngineConfig:
     # "background": the first request's shapes before LLM() returns, the rest on a background thread (served as they
     # become ready); "full": every shape before LLM() returns; "off": on first use (engine/warmup.py). True = "full".
     warmup: str | bool = "background"
+    # "background" warm-up in a second process that sends the compiled programs over (engine/compile_worker.py): the
+    # serving process's decode keeps its speed while they compile. None: on for a one-device GPU engine whose model
+    # jphoton built (LLM(<path or random:...>)); off on CPU, under tensor parallelism and for a user's JaxModel.
+    compile_worker: bool | None = None
     progress: bool = True  # progress bars on loading and compiling
     freeze_gc: bool = True  # gc.freeze() start-up objects: a full GC pass would stall a tick (RESULTS.md)
     cache_converted: bool | None = None  # cache GGUF -> orbax conversions on disk (None: GGUF only)
@@ -120,6 +124,8 @@ class EngineConfig:
             object.__setattr__(self, "warmup", "full" if self.warmup else "off")
         if self.warmup not in WARMUP:
             raise ValueError(f"warmup must be one of {', '.join(map(repr, WARMUP))} (or a bool), got {self.warmup!r}")
+        if self.compile_worker not in (None, True, False):
+            raise ValueError(f"compile_worker must be True, False or None (auto), got {self.compile_worker!r}")
         if self.kernels.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.kernels.attention!r}")
         # The bucket tuples are checked where they are complete (SchedulerConfig, after resolve).

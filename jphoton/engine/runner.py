@@ -55,8 +55,11 @@ def _input_transfer():
 
 
 class Runner:
-    def __init__(self, model, config: EngineConfig, num_pages: int, pages_per_block: int = 8):
+    def __init__(self, model, config: EngineConfig, num_pages: int, pages_per_block: int = 8, abstract: bool = False):
+        """abstract: model.params are `jax.ShapeDtypeStruct`s in the serving layout (LoRA columns included) and every
+        device buffer is one too: a runner that only lowers and compiles the steps (engine/compile_worker.py)."""
         cfg = model.config
+        self.abstract = abstract
         self.model = model
         self.sched = config.scheduler_config()
         page_size, max_model_len = config.page_size, config.max_model_len
@@ -100,9 +103,12 @@ class Runner:
             logits_sharding = NamedSharding(self.mesh, _LOGITS_SPEC)
             kv_heads = tensor_parallel.kv_heads(cfg, self.tp.size)
         self._sharding = on_device
-        if self.lora_enabled:  # q|k|v's and gate|up's LoRA A ride in extra columns of the base weights (models/lora.py)
+        if self.lora_enabled and not abstract:  # q|k|v's and gate|up's LoRA A ride in extra columns (models/lora.py)
             lora_lib.extend_params(cfg, model.params, config.max_loras, config.max_lora_rank)
-        self.params = jax.device_put(model.params, self.device) if self.tp is None else model.params
+        if abstract:
+            self.params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), model.params)
+        else:
+            self.params = jax.device_put(model.params, self.device) if self.tp is None else model.params
         dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
         slots = (num_pages + 1) * page_size  # +1: the trash page that padding writes to
         shape = (cfg.num_layers, slots, kv_heads, cfg.head_dim)
@@ -124,7 +130,7 @@ class Runner:
         if self.lora_enabled:
             per_layer = isinstance(model.params.get("layers"), (tuple, list))
             host = lora_lib.init_weights(cfg, config.max_loras, config.max_lora_rank, dtype, per_layer)
-            self.lora_weights = jax.device_put(host, self.device)
+            self.lora_weights = self._put(host)
             self._per_layer_lora = per_layer
             self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,), in_shardings=on_device,
                                        out_shardings=on_device)
@@ -179,7 +185,8 @@ class Runner:
                             spec(slot.tokens), spec(slot.logits),
                             jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
                             jax.tree.map(spec, self.lora_weights))
-        if self.lora_enabled:  # the adapter writes compile now: loading one while serving compiles nothing
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # `install`: programs compiled by another process
+        if self.lora_enabled and not abstract:  # the adapter writes compile now: loading one serves without a compile
             blocks = lora_lib.slot_blocks(cfg, None, config.max_lora_rank)
             if not self._per_layer_lora:
                 blocks = lora_lib.stack_blocks(blocks)
@@ -191,7 +198,19 @@ class Runner:
                                spec(self.carrier))
 
     def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
+        if self.abstract:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self._sharding)
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding or self._sharding)()
+
+    def _put(self, host):
+        if self.abstract:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding), host)
+        return jax.device_put(host, self.device)
+
+    def install(self, key: tuple, program: jax.stages.Compiled) -> None:
+        """Use `program` (compiled elsewhere: engine/compile_worker.py) for ("step", shape, filtered, lora) or
+        ("sampler", variant) instead of the jitted function's own compile."""
+        self._programs[key] = program
 
     def _sharded_step(self, step, param_specs):
         """The engine step as one program over the mesh: `engine_step` runs per shard (models/tensor_parallel.py).
@@ -483,8 +502,10 @@ class Runner:
         feeds_next = self._prev_tokens is slot.tokens
         with _input_transfer():
             buffer = self._on_mesh(buffer)
-            slot.tokens, slot.logprobs, slot.top_ids, self.carrier = self._resample(
-                *variant, slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, buffer)
+            program = self._programs.get(("sampler", variant))
+            resample = functools.partial(self._resample, *variant) if program is None else program
+            slot.tokens, slot.logprobs, slot.top_ids, self.carrier = resample(
+                slot.logits, slot.tokens, slot.logprobs, slot.top_ids, self.carrier, buffer)
         if feeds_next:  # the next step's carry-over must read the resampled tokens (the old buffer was donated)
             self._prev_tokens = slot.tokens
 
@@ -494,11 +515,12 @@ class Runner:
         donated."""
         if record is not None:
             record.t_put = time.perf_counter()
-        step = self._steps[filtered, lora]
+        program = self._programs.get(("step", shape, filtered, lora))
+        step = functools.partial(self._steps[filtered, lora], shape) if program is None else program
         with _input_transfer():
             packed = self._on_mesh(packed)
             # (the base program takes no LoRA weights: each pytree leaf costs the dispatch time, ~100 leaves here)
-            slot.tokens, slot.logits, self.kv = step(shape, self.params, self.kv, self._prev_tokens, slot.tokens,
+            slot.tokens, slot.logits, self.kv = step(self.params, self.kv, self._prev_tokens, slot.tokens,
                                                      slot.logits, packed, self.lora_weights if lora else None)
         if record is not None:
             record.t_dispatched = time.perf_counter()

@@ -10,6 +10,10 @@ Modes (`EngineConfig.warmup`):
   "full"                  every shape compiles before `LLM()` returns.
   "off"                   nothing ahead of time: a shape compiles when a step first needs it (tests, probes).
 
+Where the background compiles run: by default on a GPU with one device, in a second process that sends each compiled
+program over (engine/compile_worker.py: the serving process only loads them, so its decode keeps its speed); else,
+and if that process fails (logged), on this process's threads.
+
 Why one XLA compile at a time: on one GPU, concurrent compiles ran ~5x slower each (XLA's autotuner times kernels on
 the device; docs/step-shapes.md). Tracing a shape (Python, holds the GIL) overlaps another's XLA compile (releases it):
 the first tier's two shapes compile on two threads, and the background traces the next program while one compile
@@ -28,7 +32,8 @@ import threading
 import time
 import weakref
 
-from jphoton.engine.config import WARMUP
+from jphoton.engine import compile_worker
+from jphoton.engine.config import WARMUP, EngineConfig
 from jphoton.engine.scheduler import Scheduler, StepShape
 
 log = logging.getLogger("jphoton.engine")
@@ -81,7 +86,9 @@ def background_order(shapes: list[StepShape], first: list[StepShape], scheduler:
 class Warmup:
     """Owns the compile of every step shape and second sampler for one engine (module docstring)."""
 
-    def __init__(self, runner, scheduler: Scheduler, mode: str = "background", progress: bool = False):
+    def __init__(self, runner, scheduler: Scheduler, mode: str = "background", progress: bool = False,
+                 worker: EngineConfig | None = None):
+        """worker: the engine's config, to compile the background shapes in a second process (module docstring)."""
         if mode not in MODES:
             raise ValueError(f"warmup must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
         self.runner, self.scheduler, self.mode, self.progress = runner, scheduler, mode, progress
@@ -96,6 +103,9 @@ class Warmup:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.worker_config = worker
+        self._worker: compile_worker.CompileWorker | None = None
+        self.path = "in-process"  # where the background compiles ran: "worker" or "in-process" (stats())
         self._atexit = None
         self._t0 = time.perf_counter()
 
@@ -121,7 +131,8 @@ class Warmup:
         self.scheduler.ready = frozenset(self.compiled)
         log.info("first step shapes compiled in %.1fs (%d of %d): serving; the rest compile in the background",
                  self.first_token_s, len(first), len(self.shapes))
-        self._thread = threading.Thread(target=self._run, args=(background_order(self.shapes, first, self.scheduler),),
+        tasks = self._tasks(background_order(self.shapes, first, self.scheduler))
+        self._thread = threading.Thread(target=self._run, args=(tasks,),
                                         name="jphoton-warmup", daemon=True)
         # Never leave the interpreter while this thread is inside XLA: at exit, stop after the compile in progress. A
         # weak reference, so that the hook does not keep a dropped engine's device buffers alive.
@@ -148,6 +159,8 @@ class Warmup:
     def stop(self) -> None:
         """Let the thread finish the compile it is in, then end it (process exit; the engine's shapes stay partial)."""
         self._stop.set()
+        if self._worker is not None:
+            self._worker.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -155,39 +168,50 @@ class Warmup:
         filtered = len(self.runner.filtered_ready or ()) if self.mode != "off" else 0
         return {"shapes_compiled": len(self.compiled) + filtered,
                 "shapes_total": len(self.shapes) + (len(self.filtered) if self.mode != "off" else 0),
-                "all_shapes_ready": self.all_ready}
+                "all_shapes_ready": self.all_ready, "compile_path": self.path}
 
     # ---- the background thread -------------------------------------------------------------------------------------
-    def _run(self, queue: list[StepShape]) -> None:
-        """Two stages: this thread traces the next program (Python, holds the GIL; `polite_profile` hands it to the
-        engine often) while a compile thread compiles the previous one (XLA, releases it); one XLA compile at a time
-        (module docstring)."""
+    def _tasks(self, queue: list[StepShape]) -> list[tuple]:
+        """Every background task in compile order (compile_worker.py's tasks): the queue's shapes, the second samplers
+        once the decode buckets are in, the top-k / top-p decode variants last."""
+        tasks, samplers = [], [("sampler", v) for v in self.samplers]
+        decode_left = sum(1 for s in queue if not s.prefill_rows)
+        for shape in queue:
+            tasks.append(("step", shape, False))
+            decode_left -= not shape.prefill_rows
+            if decode_left <= 0:
+                tasks += samplers
+                samplers = []
+        return tasks + samplers + [("step", s, True) for s in self.filtered]
+
+    def _wanted(self, tasks: list[tuple]) -> tuple | None:
+        """The task of the shape a plan could not use (`Scheduler.wanted`), if it is still to do."""
+        wanted, self.scheduler.wanted = self.scheduler.wanted, None
+        task = ("step", wanted, False)
+        return task if wanted is not None and task in tasks else None
+
+    def _run(self, tasks: list[tuple]) -> None:
         bar = None
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(queue) + len(self.samplers) + len(self.filtered),
-                       desc="compiling step shapes (serving meanwhile)",
-                       unit="shape", leave=False)
-        pending = None  # (the compile in progress, what to mark ready after it)
-        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
-        profiler = sys.getprofile()  # (a profiler's hook, if one was installed for new threads: restored at the end)
-        sys.setprofile(polite_profile())  # this thread only
+            bar = tqdm(total=len(tasks), desc="compiling step shapes (serving meanwhile)", unit="shape", leave=False)
         try:
-            for lowered, mark_ready in itertools.chain(self._lowered(queue), [(None, None)]):  # lazily: one ahead
-                if pending is not None:
-                    pending[0].result()
-                    pending[1]()
-                    if bar is not None:
-                        bar.update()
-                pending = None if lowered is None else (compiler.submit(_compile_all, lowered), mark_ready)
+            if self.worker_config is not None:
+                try:
+                    self._run_worker(tasks, bar)
+                except Exception as e:  # noqa: BLE001 -- logged; this process compiles the rest
+                    if not self._stop.is_set():
+                        log.warning("compile worker failed (%s): compiling the remaining %d programs in this "
+                                    "process", e, len(tasks))
+            if tasks and not self._stop.is_set():
+                self.path = "in-process"
+                self._run_here(tasks, bar)
         except BaseException as e:  # noqa: BLE001 -- reported by stats() and wait(), logged here
             self.error = e
             log.exception("background compile failed: the engine keeps serving with the %d ready shapes",
                           len(self.compiled))
         finally:
-            sys.setprofile(profiler)
-            compiler.shutdown(wait=True)  # never leave a compile running (process exit)
             if bar is not None:
                 bar.close()
         if not self._stop.is_set() and self.error is None:
@@ -196,26 +220,79 @@ class Warmup:
             self._done.set()
         atexit.unregister(self._atexit)
 
-    def _lowered(self, queue: list[StepShape]):
-        """Yields (lowered programs, what marks them ready) in compile order: the queue (a shape a plan could not use
-        first), the second samplers once the decode buckets are in, the top-k / top-p decode variants last."""
-        samplers_after = sum(1 for s in queue if not s.prefill_rows)  # decode buckets, then samplers
-        samplers = list(self.samplers)
-        while queue and not self._stop.is_set():
-            wanted = self.scheduler.wanted
-            self.scheduler.wanted = None
-            shape = wanted if wanted in queue else queue[0]
-            queue.remove(shape)
-            yield self.runner.lower_step(shape), functools.partial(self._shape_ready, shape)
-            samplers_after -= not shape.prefill_rows
-            while samplers_after <= 0 and samplers and not self._stop.is_set():
-                yield [self.runner.lower_sampler(samplers.pop(0))], self._sampler_ready
-        while samplers and not self._stop.is_set():
-            yield [self.runner.lower_sampler(samplers.pop(0))], self._sampler_ready
-        for shape in self.filtered:
-            if self._stop.is_set():
-                break
-            yield self.runner.lower_step(shape, filtered=True), functools.partial(self.runner.filtered_ready.add, shape)
+    def _run_worker(self, tasks: list[tuple], bar) -> None:
+        """The tasks in a second process: load each program it sends, mark a task ready when all of its programs are
+        in. Raises if the process fails; `tasks` keeps what is left."""
+        import jax
+
+        r, cfg = self.runner, self.worker_config
+        spec = compile_worker.Spec(
+            model_config=r.model.config, recipe=r.model.recipe,
+            params=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), r.params),
+            engine_config=cfg, num_pages=cfg.num_kv_pages, tasks=list(tasks),
+            cache_dir=jax.config.jax_compilation_cache_dir)
+        self.path = "worker"
+        self._worker = worker = compile_worker.CompileWorker(spec)
+        log.info("compiling %d background programs in a second process (pid %d)", len(tasks), worker.proc.pid)
+        try:
+            for msg in worker.messages():
+                if msg is None:
+                    if self._stop.is_set():
+                        return
+                    raise RuntimeError("the compile worker exited early (its output above says why)")
+                if msg[0] == "program":
+                    _, key, payload, in_tree, out_tree = msg
+                    r.install(key, compile_worker.load(payload, in_tree, out_tree, r.device))
+                elif msg[0] == "done":
+                    tasks.remove(msg[1])
+                    self._mark_ready(msg[1])
+                    if bar is not None:
+                        bar.update()
+                elif msg[0] == "error":
+                    raise RuntimeError(msg[1])
+                if (wanted := self._wanted(tasks)) is not None:
+                    worker.want(wanted)
+        finally:
+            worker.close()
+
+    def _run_here(self, tasks: list[tuple], bar) -> None:
+        """Two stages: this thread traces the next program (Python, holds the GIL; `polite_profile` hands it to the
+        engine often) while a compile thread compiles the previous one (XLA, releases it); one XLA compile at a time
+        (module docstring)."""
+        pending = None  # (the compile in progress, its task)
+        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
+        profiler = sys.getprofile()  # (a profiler's hook, if one was installed for new threads: restored at the end)
+        sys.setprofile(polite_profile())  # this thread only
+        try:
+            for lowered, task in itertools.chain(self._lowered(tasks), [(None, None)]):  # lazily: one ahead
+                if pending is not None:
+                    pending[0].result()
+                    self._mark_ready(pending[1])
+                    if bar is not None:
+                        bar.update()
+                pending = None if lowered is None else (compiler.submit(_compile_all, lowered), task)
+        finally:
+            sys.setprofile(profiler)
+            compiler.shutdown(wait=True)  # never leave a compile running (process exit)
+
+    def _lowered(self, tasks: list[tuple]):
+        """Yields (lowered programs, task) in order, a wanted shape first, taking each task out of `tasks` (the caller
+        marks it ready once compiled)."""
+        while tasks and not self._stop.is_set():
+            task = self._wanted(tasks) or tasks[0]
+            tasks.remove(task)
+            if task[0] == "sampler":
+                yield [self.runner.lower_sampler(task[1])], task
+            else:
+                yield self.runner.lower_step(task[1], filtered=task[2]), task
+
+    def _mark_ready(self, task: tuple) -> None:
+        if task[0] == "sampler":
+            self._sampler_ready()
+        elif task[2]:
+            self.runner.filtered_ready.add(task[1])
+        else:
+            self._shape_ready(task[1])
 
     def _shape_ready(self, shape: StepShape) -> None:
         self.compiled.add(shape)

@@ -41,6 +41,9 @@ class JaxModel:
     # (TensorParallel, Mesh) when forward / logits are one shard's functions (llama_family(tensor_parallel_size=N)):
     # the engine runs its step under shard_map over the mesh; params are placed on it. None: one device.
     tensor_parallel: Any = None
+    # How `llama_family` built forward / logits (its keyword options), for a second process to build the same functions
+    # over abstract params (engine/compile_worker.py). None: a user's JaxModel, or a tensor-parallel one.
+    recipe: dict | None = None
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -65,11 +68,22 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
         params = tensor_parallel.shard_params(config, params, mesh)
         tp = tensor_parallel.TensorParallel(tensor_parallel_size)
         forward_cfg = tensor_parallel.local_config(config, tensor_parallel_size)
-    mm = matmul_hook.make(matmul, reduce=tp.psum if tp else None)
     if fuse:
         params = llama.fuse_params(config, params, consume=True)
     if unroll_layers:  # one array per layer: every layer's GEMMs are one fusion to XLA (docs/step-shapes.md)
         params = llama.unstack_layers(params, consume=True)
+    recipe = dict(unroll_layers=unroll_layers, moe_backend=moe_backend, matmul=matmul)
+    model = rebuild(config, params, recipe, tp, forward_cfg)
+    return dataclasses.replace(model, tokenizer=tokenizer, name=name or config.name,
+                               tensor_parallel=(tp, mesh) if tp else None, recipe=None if tp else recipe)
+
+
+def rebuild(config: ModelConfig, params, recipe: dict, tp=None, forward_cfg: ModelConfig | None = None) -> JaxModel:
+    """`llama_family`'s functions over params already in the serving layout (a recipe's options; params may be
+    `jax.ShapeDtypeStruct`s: engine/compile_worker.py traces the engine's steps from them)."""
+    unroll_layers, moe_backend = recipe["unroll_layers"], recipe["moe_backend"]
+    mm = matmul_hook.make(recipe["matmul"], reduce=tp.psum if tp else None)
+    forward_cfg = forward_cfg or config
 
     def forward(params, tokens, positions, kv, attend, lora=None):
         return llama.forward(params, forward_cfg, tokens, positions, kv, attend, unroll=unroll_layers,
@@ -80,5 +94,5 @@ def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", un
 
     # MoE layers ignore the hook, and a padding row would make a decode step read its top-k experts too
     min_rows = 1 if config.num_experts else mm.min_rows
-    return JaxModel(config, params, forward, logits, tokenizer, name or config.name, min_decode_rows=min_rows,
-                    supports_lora=not config.num_experts, tensor_parallel=(tp, mesh) if tp else None)
+    return JaxModel(config, params, forward, logits, name=config.name, min_decode_rows=min_rows,
+                    supports_lora=not config.num_experts, recipe=dict(recipe))

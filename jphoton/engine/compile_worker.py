@@ -1,0 +1,211 @@
+"""A second process that compiles the engine's background step programs and sends them to the serving process.
+
+Why: in the serving process a background compile slows the running decode. Tracing a program is Python and holds the
+GIL; writing it to the persistent cache serializes the executable with the GIL held (~0.2 s a 1B program, a stall);
+a B=1 decode kept 0.69x its speed while the 1B's shapes compiled beside it (H100, docs/lab-log.md 2026-11-27).
+Here the worker traces, compiles and writes the cache in its own interpreter; the serving process only loads each
+finished program (`deserialize_and_load`, ~0.3 s a program, mostly without the GIL) and calls it directly
+(`Runner.install`). What is left is XLA's autotuning on the shared GPU.
+
+The worker rebuilds the model's functions from its recipe (`models/protocol.py rebuild`) over abstract params of the
+serving layout and an abstract runner (`Runner(abstract=True)`): it holds no weights and no KV pool. On a GPU it starts
+without preallocating memory (the serving process holds JAX's pool).
+
+Protocol, frames of a little-endian u64 length + a pickle:
+  serving -> worker (stdin):  a `Spec`; then ("want", task) puts a task first; EOF: stop after the compile in progress.
+  worker -> serving (stdout): ("program", key, payload, in_tree, out_tree) for each program of a task, then
+                              ("done", task); ("error", text) on a failure (and exit); ("end",) after the last task.
+A task is ("step", shape, filtered) or ("sampler", variant); a key is ("step", shape, filtered, lora) or ("sampler",
+variant) (`Runner.install`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO
+
+log = logging.getLogger("jphoton.engine")
+
+_LEN = struct.Struct("<Q")
+
+
+@dataclasses.dataclass
+class Spec:
+    """What the worker needs to build the serving process's programs: the model's config, recipe and serving-layout
+    param shapes, the engine config, the pool size, the tasks in order and the persistent cache directory."""
+
+    model_config: Any
+    recipe: dict
+    params: Any  # jax.ShapeDtypeStruct leaves (no sharding: the worker places them on its device)
+    engine_config: Any
+    num_pages: int
+    tasks: list
+    cache_dir: str | None
+
+
+def write_frame(f: BinaryIO, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_LEN.pack(len(data)) + data)
+    f.flush()
+
+
+def read_frame(f: BinaryIO):
+    """The next frame's object, or None at EOF."""
+    head = f.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    size = _LEN.unpack(head)[0]
+    data = f.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def program_keys(task: tuple, lora_enabled: bool) -> list[tuple]:
+    if task[0] == "sampler":
+        return [task]
+    return [(*task, lora) for lora in ((False, True) if lora_enabled else (False,))]
+
+
+class CompileWorker:
+    """The serving process's handle on the worker (engine/warmup.py drives it)."""
+
+    def __init__(self, spec: Spec):
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        # (stderr is the serving process's: the worker's log lines and tracebacks show up there)
+        self.proc = subprocess.Popen([sys.executable, "-m", "jphoton.engine.compile_worker"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._lock = threading.Lock()
+        self._send(spec)
+
+    def _send(self, obj) -> None:
+        with self._lock:
+            try:
+                write_frame(self.proc.stdin, obj)
+            except (BrokenPipeError, ValueError, OSError):  # the worker is gone: its messages() end says why
+                pass
+
+    def want(self, task: tuple) -> None:
+        """Compile `task` next (a step the scheduler could not plan without it)."""
+        self._send(("want", task))
+
+    def messages(self):
+        """The worker's frames until it ends (None at an EOF without "end": the worker died)."""
+        while True:
+            msg = read_frame(self.proc.stdout)
+            yield msg
+            if msg is None or msg[0] in ("end", "error"):
+                return
+
+    def stop(self) -> None:
+        """Ask the worker to stop: it sends the program it is compiling and exits (`messages()` then ends)."""
+        with self._lock:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop the worker and wait for it (a minute at most: it finishes the compile in progress)."""
+        self.stop()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def load(payload: bytes, in_tree, out_tree, device):
+    """A program the worker sent, loaded on `device` (the engine's one device)."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    return deserialize_and_load(payload, in_tree, out_tree, backend=device.client, execution_devices=[device])
+
+
+# ---- the worker process ---------------------------------------------------------------------------------------------
+def _serve(spec: Spec, stdin: BinaryIO, out: BinaryIO) -> None:
+    from jax.experimental.serialize_executable import serialize
+
+    from jphoton.engine import compiles
+    from jphoton.engine.runner import Runner
+    from jphoton.models import protocol
+
+    if spec.cache_dir:
+        compiles.enable_persistent_cache(spec.cache_dir)
+    model = protocol.rebuild(spec.model_config, spec.params, spec.recipe)
+    runner = Runner(model, spec.engine_config, spec.num_pages, abstract=True)
+    tasks = list(spec.tasks)
+    wanted: list[tuple] = []
+    stop = threading.Event()
+
+    def listen():  # "want" frames; EOF: the serving process stopped (or exits)
+        while (msg := read_frame(stdin)) is not None:
+            if msg[0] == "want":
+                wanted.append(msg[1])
+        stop.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+
+    def lower(task):
+        if task[0] == "sampler":
+            return [runner.lower_sampler(task[1])]
+        return runner.lower_step(task[1], filtered=task[2])
+
+    def compile_and_send(task, lowered):
+        for key, program in zip(program_keys(task, runner.lora_enabled), lowered, strict=True):
+            payload, in_tree, out_tree = serialize(program.compile())
+            write_frame(out, ("program", key, payload, in_tree, out_tree))
+        write_frame(out, ("done", task))
+
+    # Two stages, as in the serving process's own warm-up: trace task n+1 while task n compiles (one XLA compile at
+    # a time: concurrent compiles on one GPU ran ~5x slower each, docs/step-shapes.md).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile") as compiler:
+        pending = None
+        while tasks and not stop.is_set():
+            while wanted:
+                w = wanted.pop(0)
+                if w in tasks:
+                    tasks.remove(w)
+                    tasks.insert(0, w)
+            task = tasks.pop(0)
+            lowered = lower(task)
+            if pending is not None:
+                pending.result()
+            pending = compiler.submit(compile_and_send, task, lowered)
+        if pending is not None:
+            pending.result()
+    if not stop.is_set():
+        write_frame(out, ("end",))
+
+
+def main() -> None:
+    # The protocol owns the real stdout; anything else this process prints goes to stderr.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.WARNING, format="jphoton compile worker: %(message)s")
+    stdin = sys.stdin.buffer
+    spec = read_frame(stdin)
+    if spec is None:
+        return
+    try:
+        _serve(spec, stdin, out)
+    except BaseException as e:  # noqa: BLE001 -- reported to the serving process, which compiles the rest itself
+        import traceback
+
+        traceback.print_exc()
+        try:
+            write_frame(out, ("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    main()
