@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jphoton.constraints import GrammarCompiler
-from jphoton.engine import compiles
+from jphoton.engine import compile_worker, compiles
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
@@ -69,6 +69,8 @@ def _use_compile_worker(cfg: EngineConfig, model: JaxModel) -> bool:
     if cfg.compile_worker and not possible:
         raise ValueError("compile_worker=True needs a model jphoton loads (a path or random:NAME, not a JaxModel) on "
                          "one device (tensor_parallel_size=1)")
+    if cfg.compile_worker and jax.default_backend() == "cpu" and not compile_worker.ALLOW_CPU:
+        raise ValueError("compile_worker=True needs a GPU (XLA:CPU programs do not always load in another process)")
     if cfg.compile_worker is None:
         return possible and cfg.warmup == "background" and jax.default_backend() == "gpu"
     return cfg.compile_worker and cfg.warmup == "background"
