@@ -41,8 +41,18 @@ def greedy_tokens():
 loaded_tokens = greedy_tokens()
 runner._programs.clear()
 own_tokens = greedy_tokens()
-print(f"{len(installed)} loaded programs; greedy tokens, loaded vs own programs: "
-      f"{'the same' if loaded_tokens == own_tokens else 'DIFFERENT'}", flush=True)
+own_again = greedy_tokens()
+runner._programs.update(installed)
+loaded_again = greedy_tokens()
+
+
+def same(a, b):
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)} requests the same"
+
+
+print(f"{len(installed)} loaded programs; greedy tokens: loaded vs own programs {same(loaded_tokens, own_tokens)}; "
+      f"controls: own vs own {same(own_tokens, own_again)}, loaded vs loaded {same(loaded_tokens, loaded_again)}",
+      flush=True)
 rows = []
 for r in range(args.rounds):
     for variant in ("worker", "jit"):
@@ -55,7 +65,7 @@ for r in range(args.rounds):
                          "device_step_ms": row["device_step_ms"], "tick_over_device_step": row["tick_over_device_step"],
                          "dispatch_ms": row["host_ms"]["dispatch"]})
             print(json.dumps(rows[-1]), flush=True)
-for case in CASES:
+for case in CASES if args.rounds else ():
     for key in ("ms_step", "device_step_ms", "dispatch_ms"):
         w = [x[key] for x in rows if x["case"] == case and x["variant"] == "worker"]
         j = [x[key] for x in rows if x["case"] == case and x["variant"] == "jit"]
