@@ -32,6 +32,8 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
+import jphoton
+
 log = logging.getLogger("jphoton.engine")
 
 _LEN = struct.Struct("<Q")
@@ -84,6 +86,9 @@ class CompileWorker:
 
     def __init__(self, spec: Spec):
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        # this jphoton first, wherever it was imported from (a notebook's sys.path, a source tree)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(jphoton.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         # (stderr is the serving process's: the worker's log lines and tracebacks show up there)
         self.proc = subprocess.Popen([sys.executable, "-m", "jphoton.engine.compile_worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
