@@ -304,6 +304,21 @@ def _random_mix(llm, rnd: random.Random, constraints: bool, rounds: int = 3) -> 
     assert llm.stats()["num_compiles"] == before
 
 
+def test_the_compile_worker_takes_the_jax_options_that_shape_a_lowering():
+    """A notebook's runtime `jax.config.update` reaches the worker (engine/compile_worker.py LOWERING_OPTIONS)."""
+    import jax
+
+    options = warmup.compile_worker.jax_options()
+    assert options["jax_default_matmul_precision"] == jax.config.values["jax_default_matmul_precision"]
+    assert set(options) == set(warmup.compile_worker.LOWERING_OPTIONS)
+    try:
+        warmup.compile_worker.apply_jax_options({**options, "jax_default_matmul_precision": "highest"})
+        assert jax.config.values["jax_default_matmul_precision"] == "highest"
+    finally:
+        warmup.compile_worker.apply_jax_options(options)
+    assert jax.config.values["jax_default_matmul_precision"] == options["jax_default_matmul_precision"]
+
+
 def test_compile_worker_option_is_checked():
     assert EngineConfig().compile_worker is None
     with pytest.raises(ValueError, match="compile_worker must be True, False or None"):

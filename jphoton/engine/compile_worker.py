@@ -41,12 +41,19 @@ _LEN = struct.Struct("<Q")
 # Function wrapped_iota not found", a 135M model's 512-token prefill), so the option is GPU-only; the tests turn this on
 # for the tiny models, whose programs load and run.
 ALLOW_CPU = False
+# JAX options that change what a step lowers to: the worker takes the serving process's values (a notebook may have set
+# them at runtime, where the worker's environment would not say so).
+LOWERING_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                    "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+                    "jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                    "jax_persistent_cache_min_compile_time_secs",
+                    "jax_persistent_cache_min_entry_size_bytes")
 
 
 @dataclasses.dataclass
 class Spec:
     """What the worker needs to build the serving process's programs: the model's config, recipe and serving-layout
-    param shapes, the engine config, the pool size, the tasks in order and the persistent cache directory."""
+    param shapes, the engine config, the pool size, the tasks in order and the JAX options that shape a lowering."""
 
     model_config: Any
     recipe: dict
@@ -54,7 +61,21 @@ class Spec:
     engine_config: Any
     num_pages: int
     tasks: list
-    cache_dir: str | None
+    jax_options: dict  # LOWERING_OPTIONS' values in the serving process (`jax_options()`)
+
+
+def jax_options() -> dict:
+    import jax
+
+    return {name: jax.config.values[name] for name in LOWERING_OPTIONS if name in jax.config.values}
+
+
+def apply_jax_options(options: dict) -> None:
+    import jax
+
+    for name, value in options.items():
+        if name in jax.config.values and jax.config.values[name] != value:
+            jax.config.update(name, value)
 
 
 def write_frame(f: BinaryIO, obj) -> None:
@@ -143,12 +164,10 @@ def load(payload: bytes, in_tree, out_tree, device):
 def _serve(spec: Spec, stdin: BinaryIO, out: BinaryIO) -> None:
     from jax.experimental.serialize_executable import serialize
 
-    from jphoton.engine import compiles
     from jphoton.engine.runner import Runner
     from jphoton.models import protocol
 
-    if spec.cache_dir:
-        compiles.enable_persistent_cache(spec.cache_dir)
+    apply_jax_options(spec.jax_options)  # (the persistent cache's directory among them)
     model = protocol.rebuild(spec.model_config, spec.params, spec.recipe)
     runner = Runner(model, spec.engine_config, spec.num_pages, abstract=True)
     tasks = list(spec.tasks)

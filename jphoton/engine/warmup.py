@@ -229,8 +229,7 @@ class Warmup:
         spec = compile_worker.Spec(
             model_config=r.model.config, recipe=r.model.recipe,
             params=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), r.params),
-            engine_config=cfg, num_pages=cfg.num_kv_pages, tasks=list(tasks),
-            cache_dir=jax.config.jax_compilation_cache_dir)
+            engine_config=cfg, num_pages=cfg.num_kv_pages, tasks=list(tasks), jax_options=compile_worker.jax_options())
         self.path = "worker"
         self._worker = worker = compile_worker.CompileWorker(spec)
         log.info("compiling %d background programs in a second process (pid %d)", len(tasks), worker.proc.pid)
