@@ -131,10 +131,11 @@ def cpu_compile_worker(monkeypatch):
     monkeypatch.setattr(warmup.compile_worker, "ALLOW_CPU", True)  # (a GPU-only option: see ALLOW_CPU)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
-def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_worker, monkeypatch, family):
+@pytest.mark.parametrize("family, loras", [("llama3", 2), ("qwen3_moe", 0)])
+def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_worker, monkeypatch, family, loras):
     """compile_worker=True: the background programs come from a second process and load here, one per key of every
-    task (steps, second samplers, top-k / top-p variants); a task is ready once its programs are in; the worker ends
+    task (steps and their LoRA variants, second samplers, top-k / top-p variants); a task is ready once its programs
+    are in; the worker ends
     cleanly. (XLA:CPU cannot always run a program loaded from another process, `ALLOW_CPU`: here the engine serves
     through its own compiles, token-exact; lab/probes/worker_dispatch.py checks the loaded programs' tokens and
     speed on the GPU.)"""
@@ -143,16 +144,19 @@ def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_w
     installed = {}
     monkeypatch.setattr(Runner, "install", lambda self, key, program: installed.setdefault(key, program))
     ref = tiny_reference(family)
-    llm = make_llm(str(FIXTURES / "tiny" / family), warmup="background", compile_worker=True)
+    llm = make_llm(str(FIXTURES / "tiny" / family), warmup="background", compile_worker=True, max_loras=loras,
+                   max_lora_rank=8)
     assert llm.wait_until_ready(timeout=600)
     stats, runner = llm.stats(), llm.engine.runner
     assert stats["compile_path"] == "worker" and stats["all_shapes_ready"]
     assert stats["shapes_compiled"] == stats["shapes_total"]
     shapes = runner.sched.all_shapes()
     background = [s for s in shapes if s not in first_shapes(shapes, llm.engine.scheduler)]
-    want = ({("step", s, False, False) for s in background} | {("step", s, True, False) for s in
-            runner.filtered_shapes()} | {("sampler", v) for v in runner.sampler_variants()})
+    tasks = ([("step", s, False) for s in background] + [("step", s, True) for s in runner.filtered_shapes()]
+             + [("sampler", v) for v in runner.sampler_variants()])
+    want = {key for t in tasks for key in warmup.compile_worker.program_keys(t, runner.lora_enabled)}
     assert set(installed) == want and all(callable(p) for p in installed.values())
+    assert any(key[-1] is True for key in want if key[0] == "step") == (loras > 0)
     assert llm.warmup._worker.proc.poll() == 0
     greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]

@@ -235,6 +235,8 @@ class Warmup:
         log.info("compiling %d background programs in a second process (pid %d)", len(tasks), worker.proc.pid)
         try:
             for msg in worker.messages():
+                if self._stop.is_set():  # (also when stop() came before the worker existed)
+                    worker.stop()
                 if msg is None:
                     if self._stop.is_set():
                         return
