@@ -163,6 +163,18 @@ def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_w
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == [t.tolist() for _, t, _ in ref]
 
 
+def test_stopping_the_warmup_stops_the_compile_worker(cpu_compile_worker):
+    """Process exit (`Warmup.stop`, atexit) while the worker compiles: it finishes the program in progress and exits;
+    the warm-up thread ends; nothing waits for the rest of the tasks."""
+    llm = make_llm(LLAMA, warmup="background", compile_worker=True)
+    t = time.perf_counter()
+    llm.warmup.stop()
+    assert not llm.warmup.running and time.perf_counter() - t < 120
+    worker = llm.warmup._worker
+    assert worker is None or worker.proc.poll() is not None
+    assert not llm.stats()["all_shapes_ready"] or worker is None
+
+
 @pytest.mark.parametrize("failure", ["error", "exit"])
 def test_a_failed_compile_worker_leaves_the_rest_to_this_process(cpu_compile_worker, monkeypatch, caplog, failure):
     """A worker that reports an error or exits early: logged, and this process compiles what is left."""

@@ -142,7 +142,8 @@ class Warmup:
 
     @property
     def all_ready(self) -> bool:
-        return self._done.is_set() and self.error is None
+        """Every shape compiled (or warmup="off": nothing to wait for); False after a failure or an early stop."""
+        return self._done.is_set() and self.error is None and (self.mode == "off" or self.all_ready_s is not None)
 
     @property
     def running(self) -> bool:
