@@ -63,19 +63,6 @@ class Stream:
         self.close()
 
 
-def _use_compile_worker(cfg: EngineConfig, model: JaxModel) -> bool:
-    """`EngineConfig.compile_worker`: None (auto) is on for a one-device GPU engine whose model jphoton built."""
-    possible = model.recipe is not None and cfg.tensor_parallel_size == 1
-    if cfg.compile_worker and not possible:
-        raise ValueError("compile_worker=True needs a model jphoton loads (a path or random:NAME, not a JaxModel) on "
-                         "one device (tensor_parallel_size=1)")
-    if cfg.compile_worker and jax.default_backend() == "cpu" and not compile_worker.ALLOW_CPU:
-        raise ValueError("compile_worker=True needs a GPU (XLA:CPU programs do not always load in another process)")
-    if cfg.compile_worker is None:
-        return possible and cfg.warmup == "background" and jax.default_backend() == "gpu"
-    return cfg.compile_worker and cfg.warmup == "background"
-
-
 class LLM:
     """Load a model and serve it through the paged, continuously batched, pipelined engine.
 
@@ -110,7 +97,7 @@ class LLM:
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
                                       unroll_layers=k.unroll_layers, moe_backend=k.moe_backend, matmul=k.matmul,
                                       fuse=True, tensor_parallel_size=tp)
-        use_worker = _use_compile_worker(cfg, self.model)
+        use_worker = compile_worker.wanted(cfg, self.model)
         self.config = self.model.config  # the model's config (ModelConfig); the engine's is `engine_config`
         self.tokenizer = self.model.tokenizer
         if tokenizer is not None:  # e.g. random weights of a real shape with that model's real tokenizer

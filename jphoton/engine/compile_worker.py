@@ -64,6 +64,22 @@ class Spec:
     jax_options: dict  # LOWERING_OPTIONS' values in the serving process (`jax_options()`)
 
 
+def wanted(cfg, model) -> bool:
+    """`EngineConfig.compile_worker` for this engine: None (auto) is on for a one-device GPU engine whose model jphoton
+    built (its recipe rebuilds the functions); True where that is impossible is a ValueError."""
+    import jax
+
+    possible = model.recipe is not None and cfg.tensor_parallel_size == 1
+    if cfg.compile_worker and not possible:
+        raise ValueError("compile_worker=True needs a model jphoton loads (a path or random:NAME, not a JaxModel) on "
+                         "one device (tensor_parallel_size=1)")
+    if cfg.compile_worker and jax.default_backend() == "cpu" and not ALLOW_CPU:
+        raise ValueError("compile_worker=True needs a GPU (XLA:CPU programs do not always load in another process)")
+    if cfg.compile_worker is None:
+        return possible and cfg.warmup == "background" and jax.default_backend() == "gpu"
+    return cfg.compile_worker and cfg.warmup == "background"
+
+
 def jax_options() -> dict:
     import jax
 
