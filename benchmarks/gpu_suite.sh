@@ -60,10 +60,10 @@ for section in "$@"; do
     serving)  # gRPC serving (server/): staggered arrivals at concurrency C vs the same requests as a static batch of C,
       # the engine in its own process (jphoton serve) and in a thread of the server process (--in-process)
       run serving python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --prompt-len 128 \
-        --new-tokens 256 --requests-per-client 4 --servers process thread --out "$OUT/serving.json" ;;
+        --new-tokens 256 --requests-per-client 4 --servers process --frontends 1 2 --out "$OUT/serving.json" ;;
     serving-smollm2)  # the same with the SmolLM2-135M shape at C=32 (host-bound: ~0.9 ms device steps)
       run "$section" python3 benchmarks/serving.py --model random:smollm2-135m --concurrency 32 --prompt-len 128 \
-        --new-tokens 256 --requests-per-client 4 --servers process thread --out "$OUT/serving_smollm2.json" ;;
+        --new-tokens 256 --requests-per-client 4 --servers process --frontends 1 2 --out "$OUT/serving_smollm2.json" ;;
     constrained)  # JSON-schema vs free decoding, random Llama-3.2-1B resized to SmolLM2's vocabulary and tokenizer
       # (benchmarks/assets/smollm2-tokenizer: git-ignored; the script writes it from the embedded model when that is
       # installed, else write it where it is with `--export-tokenizer` and carry it)

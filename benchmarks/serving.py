@@ -12,8 +12,11 @@ compiles the server did after warm-up (GetStats; should be 0).
 
 The server runs in a child process (this script with --serve), built as `jphoton serve` builds it (the default
 engine) with every step shape compiled before it serves; --connect HOST:PORT measures a server that is already running
-instead. The load comes from --client-procs processes (default 8), each with its own channel and event loop, each
-reporting its CPU use (a client at 100% of a core would be measuring itself); tokens per message are reported too.
+instead. The load comes from --client-procs processes (default 8), each with its own event loop and
+--channels-per-proc connections (default 4, chains dealt over them: a server with several frontends sees its
+connections spread as by many clients), each reporting its CPU use (a client at 100% of a core would be measuring
+itself); tokens per message are reported too. --frontends 1 2 starts one server of each frontend count in turn, same
+load, same call.
 
     python benchmarks/serving.py --concurrency 4 --requests-per-client 2 --prompt-len 32 --new-tokens 16   # CPU
     python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --out /tmp/serving.json    # GPU
@@ -87,28 +90,35 @@ async def one_request(stub, prompt: list[int], new_tokens: int, sent_at: float |
 Chain = tuple[float, list[list[int]]]
 
 
-async def _run_chains(address: str, t0: float, chains: list[Chain], new_tokens: int) -> list[list[Trace]]:
-    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
-        stub = pb_grpc.EngineStub(ch)
+async def _run_chains(address: str, t0: float, chains: list[Chain], new_tokens: int, channels: int
+                      ) -> list[list[Trace]]:
+    # a local subchannel pool each: channels of one process to one address would otherwise share one connection
+    options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+    chs = [grpc.aio.insecure_channel(address, options=options) for _ in range(max(1, min(channels, len(chains))))]
+    stubs = [pb_grpc.EngineStub(ch) for ch in chs]
 
-        async def chain(offset: float, prompts: list[list[int]]) -> list[Trace]:
-            start = t0 + offset
-            await asyncio.sleep(max(0.0, start - time.perf_counter()))
-            traces = [await one_request(stub, prompts[0], new_tokens, sent_at=start)]
-            for prompt in prompts[1:]:
-                traces.append(await one_request(stub, prompt, new_tokens))
-            return traces
+    async def chain(stub, offset: float, prompts: list[list[int]]) -> list[Trace]:
+        start = t0 + offset
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        traces = [await one_request(stub, prompts[0], new_tokens, sent_at=start)]
+        for prompt in prompts[1:]:
+            traces.append(await one_request(stub, prompt, new_tokens))
+        return traces
 
-        return list(await asyncio.gather(*(chain(o, ps) for o, ps in chains)))
+    try:
+        return list(await asyncio.gather(*(chain(stubs[i % len(stubs)], o, ps) for i, (o, ps) in enumerate(chains))))
+    finally:
+        for ch in chs:
+            await ch.close()
 
 
-def _client_main(address: str, conn) -> None:
+def _client_main(address: str, conn, channels: int) -> None:
     """A client process: run each batch of chains the parent sends; answer (traces, cpu s, wall s) or an error."""
     while (task := conn.recv()) is not None:
         t0, chains, new_tokens = task
         cpu0, wall0 = time.process_time(), time.perf_counter()
         try:
-            traces = asyncio.run(_run_chains(address, t0, chains, new_tokens))
+            traces = asyncio.run(_run_chains(address, t0, chains, new_tokens, channels))
             conn.send(([[dataclasses.astuple(t) for t in ts] for ts in traces], time.process_time() - cpu0,
                        time.perf_counter() - wall0))
         except Exception as e:  # noqa: BLE001 -- reported to the parent, which raises it
@@ -118,12 +128,12 @@ def _client_main(address: str, conn) -> None:
 class ClientPool:
     """K load-generator processes (spawned, not forked: no gRPC state is inherited)."""
 
-    def __init__(self, address: str, processes: int):
+    def __init__(self, address: str, processes: int, channels: int = 1):
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(processes):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client_main, args=(address, child), daemon=True)
+            proc = ctx.Process(target=_client_main, args=(address, child, channels), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -239,7 +249,7 @@ async def bench(args, address: str) -> dict:
         n_prompts = max(args.concurrency) * args.requests_per_client
         prompts = [[rng.randrange(info.vocab_size) for _ in range(args.prompt_len)] for _ in range(n_prompts)]
         compiles_warm = (await stub.GetStats(pb.GetStatsRequest())).num_compiles
-        pool = ClientPool(address, min(args.client_procs, max(args.concurrency)))
+        pool = ClientPool(address, min(args.client_procs, max(args.concurrency)), args.channels_per_proc)
         try:
             rows = await asyncio.to_thread(_scenarios, args, pool, prompts)
         finally:
@@ -310,12 +320,15 @@ def serve_child(spec: dict) -> None:
     or in a thread of the server process ("thread", `jphoton serve --in-process`)."""
     import functools
 
-    from server.app import run_until_signal
+    from server.app import default_frontends, run_until_signal
     from server.engine_process import Spawn
 
     build = functools.partial(build_engine, spec)
     model = Spawn(build) if spec["server"] == "process" else build
-    asyncio.run(run_until_signal(model, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"]))
+    frontends = spec["frontends"] or (default_frontends() if spec["server"] == "process" else 1)
+    print(f"frontends: {frontends}", flush=True)
+    asyncio.run(run_until_signal(model, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"],
+                                 frontends=frontends))
 
 
 def build_engine(spec: dict):
@@ -391,8 +404,8 @@ def engine_staggered(llm, prompts, new_tokens: int, c: int, per_client: int, dur
             "ticks": {k: len(v) for k, v in by_kind.items()}}
 
 
-def start_server(args, server: str) -> tuple[subprocess.Popen, str, dict]:
-    spec = {"server": server, "model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
+def start_server(args, server: str, frontends: int | None = None) -> tuple[subprocess.Popen, str, dict]:
+    spec = {"server": server, "frontends": frontends, "model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
             "switch_interval": args.switch_interval, "baseline": args.engine_baseline,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "requests_per_client": args.requests_per_client}
@@ -443,6 +456,11 @@ def main(argv=None):
     ap.add_argument("--servers", nargs="+", default=["process"], choices=("process", "thread"),
                     help="start a server of each kind in turn, same load: the engine in its own process (what `jphoton "
                          "serve` runs) or in a thread of the server process (`jphoton serve --in-process`)")
+    ap.add_argument("--frontends", type=int, nargs="+", default=[None],
+                    help="the server's frontend processes (`jphoton serve --frontends`; default: its default); "
+                         "several values: one server each, in turn, same load")
+    ap.add_argument("--channels-per-proc", type=int, default=4,
+                    help="connections per load-generator process (requests dealt over them)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
     ap.add_argument("--requests-per-client", type=int, default=4, help="R: staggered requests per client")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -471,14 +489,16 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when `timeout` stops us
     t0 = time.perf_counter()
     runs = []
-    for server in [None] if args.connect else args.servers:
+    combos = ([(None, None)] if args.connect else
+              [(s, f) for s in args.servers for f in (args.frontends if s == "process" else [1])])
+    for server, frontends in combos:
         child = None
         BASELINE.clear()
         if server is None:
             address = args.connect
         else:
-            print(f"=== server: engine in a {server}", flush=True)
-            child, address = start_server(args, server)
+            print(f"=== server: engine in a {server}" + (f", {frontends} frontends" if frontends else ""), flush=True)
+            child, address = start_server(args, server, frontends)
         try:
             run = asyncio.run(bench(args, address))
         finally:
@@ -490,10 +510,21 @@ def main(argv=None):
                     child.kill()
         for row in run["rows"]:
             row["server"] = server or "connected"
+            row["frontends"] = frontends
         runs.append(run)
     result = {**runs[0], "rows": [r for run in runs for r in run["rows"]],
               "compiles_after_warmup": sum(run["compiles_after_warmup"] for run in runs)}
-    if len(runs) > 1:  # process vs thread, same load, same call
+    if len(args.frontends) > 1:  # frontend counts, same load, same call
+        for c in args.concurrency:
+            for mode in ("static", "staggered", "poisson"):
+                rate = {r["frontends"]: r for r in result["rows"] if r["concurrency"] == c and r["mode"] == mode}
+                if rate:
+                    print(f"C={c:3d} {mode:9s}: " + ", ".join(
+                        f"{k} frontends {v['decode_tok_s']:.0f} tok/s (TTFT p50 {v['ttft_ms'].get('p50', 0):.1f} ms, "
+                        f"ITL p50 {v['itl_ms'].get('p50', 0):.1f} ms, {v['tokens_per_message']:.2f} tok/msg"
+                        + (f", {v['ratio_vs_engine_only']:.3f}x engine alone" if "ratio_vs_engine_only" in v else "")
+                        + ")" for k, v in rate.items()), flush=True)
+    if len(args.servers) > 1:  # process vs thread, same load, same call
         for c in args.concurrency:
             rate = {r["server"]: r["decode_tok_s"] for r in result["rows"] if r["concurrency"] == c and r["mode"] == "static"}
             print(f"C={c:3d} static: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rate.items())

@@ -196,7 +196,17 @@ def _cmd_convert(args) -> int:
 def _cmd_serve(args) -> int:
     import asyncio
     import functools
+    import shutil
+    import tempfile
 
+    frontends = args.frontends
+    if frontends is None:  # (cpu count: no import of the server for it)
+        frontends = 2 if (os.cpu_count() or 1) >= 8 else 1
+    metrics_dir = None
+    if frontends > 1 and args.metrics_port is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # the frontends' request metrics are summed through files (server/metrics.py): set before the import
+        metrics_dir = tempfile.mkdtemp(prefix="jphoton-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from server.app import LOADER_THREAD, run_until_signal
     from server.engine_process import Spawn
 
@@ -214,10 +224,13 @@ def _cmd_serve(args) -> int:
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
-                                     grace=args.grace))
+                                     grace=args.grace, frontends=frontends))
     except OSError as e:  # the port is taken or the address is not ours
         print(f"jphoton: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     if any(t.name == LOADER_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped while the model was still loading: leave without finalizing the interpreter, which would unwind the
         # loader thread inside XLA and abort the process ("terminate called ...", exit -6).
@@ -276,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queue", type=_int_in(1), default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
     s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")
+    s.add_argument("--frontends", type=_int_in(1, 64), default=None,
+                   help="gRPC processes (each its own event loop) sharing the port and the one engine process "
+                        "(default: 2 on hosts with 8 or more cores, else 1)")
     s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
     s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.engine_process import EngineProcess, Spawn
+from server.engine_process import EngineLink, EngineProcess, Spawn
 from server.metrics import Metrics
 from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
 
@@ -33,17 +36,39 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
 
 
+def default_frontends() -> int:
+    """`jphoton serve --frontends`' default: a second event loop where the host has the cores for it (measured on the
+    H100 host, 16 cores: benchmarks/RESULTS.md, "Serving (gRPC)")."""
+    return 2 if (os.cpu_count() or 1) >= 8 else 1
+
+
 class Server:
-    """One gRPC server around one LLM. Every method runs on the event loop that called start()."""
+    """One gRPC server around one LLM. Every method runs on the event loop that called start().
+
+    frontends: serve a `Spawn` from this many processes, each with its own event loop, all on one port (SO_REUSEPORT:
+    the kernel spreads connections over them) and each with its own pipe pair to the one engine process; this one
+    starts and stops the others (docs/serving.md). max_queue is split evenly among them. reuse_port: bind the port
+    shared (set for the frontends after the first)."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue: int = DEFAULT_MAX_QUEUE,
-                 metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 frontends: int = 1, reuse_port: bool = False, frontend_index: int = 0):
+        if frontends < 1:
+            raise ValueError(f"frontends must be >= 1, got {frontends}")
+        if frontends > 1 and metrics_port is not None and not Metrics.multiprocess():
+            raise ValueError("Prometheus metrics with several frontends need PROMETHEUS_MULTIPROC_DIR set before "
+                             "prometheus_client is imported (`jphoton serve` does this)")
         self.host, self.requested_port = host, port
         self.port: int | None = None
+        self.frontends, self.frontend_index = frontends, frontend_index
+        self.reuse_port = reuse_port or frontends > 1
+        self._frontend_procs: list = []
+        self.drain_grace = 30.0  # what the other frontends drain for at stop (run_until_signal sets its grace)
         self.metrics = Metrics()
         self.metrics_port_requested = metrics_port
         self.metrics_port: int | None = None
-        self.admission = Admission(max_queue)
+        self.max_queue = max_queue
+        self.admission = Admission(-(-max_queue // frontends))
         self.servicer = EngineServicer(self.admission, self.metrics)
         self.max_message_bytes = max_message_bytes
         self.health: health.aio.HealthServicer | None = None  # grpc.aio objects are made on the serving loop, in start()
@@ -61,7 +86,8 @@ class Server:
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
+            # a second server on a busy port must fail, not share it (frontends share theirs: checked free first)
+            ("grpc.so_reuseport", int(self.reuse_port)),
         ])
         self._grpc.add_generic_rpc_handlers((method_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -70,6 +96,8 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
+        if self.frontends > 1 and self.requested_port:
+            _check_port_free(self.host, self.requested_port)
         try:
             self.port = self._grpc.add_insecure_port(address)
         except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
@@ -80,8 +108,9 @@ class Server:
         self.metrics.watch(self.servicer.stats)
         if self.metrics_port_requested is not None:
             self.metrics_port = self.metrics.serve_http(self.metrics_port_requested, self.host)
-        log.info("gRPC listening on %s:%d (health NOT_SERVING until the model is warm)%s", self.host, self.port,
-                 f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
+        log.info("gRPC listening on %s:%d (health NOT_SERVING until the model is warm)%s%s", self.host, self.port,
+                 f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
+                 f", frontend {self.frontend_index}" if self.reuse_port else "")
         return self.port
 
     async def load(self, model: Spawn | Callable[[], object] | object) -> None:
@@ -89,8 +118,14 @@ class Server:
         or a zero-argument callable that builds one (in a worker thread of this process). Health checks are answered
         while it loads and compiles; health turns SERVING when it is ready."""
         t0 = time.perf_counter()
-        if isinstance(model, Spawn):
-            llm = EngineProcess(model)
+        if self.frontends > 1 and not isinstance(model, Spawn):
+            raise ValueError("several frontends need the engine in a process of its own (a Spawn)")
+        if isinstance(model, (Spawn, EngineLink)):
+            if isinstance(model, Spawn):
+                llm = EngineProcess(model, frontends=self.frontends)
+                self._start_frontends(llm.links)
+            else:
+                llm = EngineProcess(link=model)
             self._engine_process = llm
             await _in_daemon_thread(llm.start)
             llm.on_death = self._engine_died
@@ -108,6 +143,24 @@ class Server:
                  f", engine process {llm.pid}" if isinstance(llm, EngineProcess) else "", stats["num_compiles"],
                  stats["shapes_compiled"], stats["shapes_total"])
 
+    def _start_frontends(self, links: list[EngineLink]) -> None:
+        """Start a frontend process per link (each binds this server's port shared), then drop our copies of their
+        ends, so that the engine sees a frontend that dies as an end of file."""
+        ctx = multiprocessing.get_context("spawn")
+        levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
+        kwargs = dict(host=self.host, port=self.port, max_queue=self.admission.capacity,
+                      max_message_bytes=self.max_message_bytes,
+                      metrics_port=None, reuse_port=True)
+        for link in links:
+            proc = ctx.Process(target=_frontend_main, name=f"jphoton-frontend-{link.index}", daemon=True,
+                               args=(link, {**kwargs, "frontend_index": link.index}, levels, self.drain_grace))
+            proc.start()
+            self._frontend_procs.append(proc)
+            link.close()
+        if links:
+            log.info("%d more frontend processes on port %d: %s", len(links), self.port,
+                     [p.pid for p in self._frontend_procs])
+
     def _engine_died(self, why: str) -> None:
         """The engine process is gone: health says NOT_SERVING (a load balancer stops sending; calls get INTERNAL)."""
         for name in ("", SERVICE_NAME):
@@ -121,7 +174,16 @@ class Server:
         self._stopped = True
         await self.health.enter_graceful_shutdown()
         self.servicer.draining = True
+        for proc in self._frontend_procs:  # they drain as we do (their SIGTERM handler), then leave
+            if proc.is_alive():
+                proc.terminate()
         await self._grpc.stop(grace)
+        for proc in self._frontend_procs:
+            await asyncio.to_thread(proc.join, grace + 15)
+            if proc.is_alive():
+                log.warning("frontend process %d did not exit; killing it", proc.pid)
+                proc.kill()
+        log.info("frontend %d: %d Generate calls served", self.frontend_index, self.servicer.calls)
         engine = self.servicer.engine
         if engine is not None:
             # Cancelled streams queued aborts; let the engine loop run them so the LLM is left clean (it may be reused
@@ -208,14 +270,63 @@ class ServerThread:
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEFAULT_MAX_QUEUE,
           metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          wait: bool = True) -> ServerThread:
-    """Start a server for `model` (an LLM or a callable that builds one) on a background thread. Returns once the port
-    is open, and, with wait=True, once the model is SERVING. handle.port, handle.stop(grace)."""
+          wait: bool = True, frontends: int = 1) -> ServerThread:
+    """Start a server for `model` (an LLM, a callable that builds one, or a `Spawn`: the engine in a child process)
+    on a background thread. Returns once the port is open, and, with wait=True, once the model is SERVING.
+    handle.port, handle.stop(grace). frontends > 1: a Spawn served from that many processes (Server's doc)."""
     handle = ServerThread(Server(host=host, port=port, max_queue=max_queue, metrics_port=metrics_port,
-                                 max_message_bytes=max_message_bytes)).start(model)
+                                 max_message_bytes=max_message_bytes, frontends=frontends)).start(model)
     if wait:
         handle.wait_ready()
     return handle
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Frontends bind their port with SO_REUSEPORT, which would also share it with another server already there:
+    bind it plainly first, so that a busy port fails as it does for one frontend."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot bind {host}:{port} ({e.strerror})") from None
+
+
+def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int], grace: float) -> None:
+    """A frontend process after the first: serve the port (shared) through `link` until SIGTERM, then drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the first frontend drains us
+    logging.basicConfig(level=levels[0], format=f"%(levelname)s %(name)s (frontend {link.index}): %(message)s")
+    logging.getLogger("jphoton").setLevel(levels[1])
+    _exit_with_parent()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        server = Server(**server_kwargs)
+        await server.start()
+        load = asyncio.create_task(server.load(link))
+        await stop.wait()
+        await server.stop(grace)
+        if not load.done():
+            load.cancel()
+
+    asyncio.run(run())
+    os._exit(0)  # (the loader thread may still wait for the engine's ready message)
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="jphoton-parent-watch", daemon=True).start()
 
 
 async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float | None = 0.001,
@@ -236,6 +347,7 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = Server(**server_kwargs)
+    server.drain_grace = grace
     port = await server.start()
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),

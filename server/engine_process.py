@@ -6,13 +6,17 @@ busy building and writing messages, and the engine thread waits for the GIL each
 the H100 the served decode ran at 0.31-0.41x of the engine alone (RESULTS.md, "Serving (gRPC)"). In its own process the
 engine loop runs as it does under `LLM.generate`, and the server process spends all of its own time on gRPC.
 
-Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params),
-("abort", id), ("stats", nonce), ("lora_load", nonce, name, path), ("lora_unload", nonce, name), ("lora_list", nonce),
-("shutdown",). Up: one list of events per engine tick, however many requests it served: ("out", id, token_ids, text,
-finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id, message) for a request the engine
-refused (ValueError: bad input, e.g. an adapter unloaded since the request was checked; nothing was queued), ("stats",
-nonce, dict), ("lora", nonce, ok, result or (kind, message)). The server assigns request ids itself, so submitting
-never waits for the child.
+Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params, name),
+("abort", id), ("abort_named", nonce, name), ("stats", nonce), ("lora_load", nonce, name, path), ("lora_unload",
+nonce, name), ("lora_list", nonce), ("shutdown",). Up: one list of events per engine tick, however many requests it
+served: ("out", id, token_ids, text, finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id,
+message) for a request the engine refused (ValueError: bad input, e.g. an adapter unloaded since the request was
+checked; nothing was queued), ("stats", nonce, dict), ("lora", nonce, ok, result or (kind, message)), ("aborted",
+nonce, found). The server assigns request ids itself, so submitting never waits for the child.
+
+Several frontends (`jphoton serve --frontends N`, docs/serving.md): one pipe pair per frontend process, each frontend
+numbering its ids (requests and nonces) i, i + N, i + 2N, ...; the engine routes every event by id modulo N, and stops
+once every frontend has sent "shutdown" or gone (a frontend that dies has its requests aborted).
 
 LoRA loads never stall the loop: the adapter is read and checked on a thread (`LLM.read_lora`), then installed between
 ticks (`LLM.install_lora`, which never waits). If every slot is taken and one is draining, the load stays pending and is
@@ -29,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import queue
@@ -87,24 +92,56 @@ def lora_error(llm, e: BaseException) -> LoraError:
     return LoraError("internal", f"{type(e).__name__}: {e}")
 
 
-class EngineProcess:
-    """Start with `start()` (blocking: the child builds the LLM; run it off the event loop), then `attach(loop)`."""
+@dataclasses.dataclass
+class EngineLink:
+    """Frontend `index` of `count`: its ends of the pipe pair to the engine process (passed to a spawned frontend
+    process, which serves through `EngineProcess(link=...)`)."""
 
-    def __init__(self, spawn: Spawn):
+    index: int
+    count: int
+    down: Any  # multiprocessing Connection: commands to the engine
+    up: Any  # events from the engine
+
+    def close(self) -> None:
+        self.down.close()
+        self.up.close()
+
+
+class EngineProcess:
+    """Start with `start()` (blocking: the child builds the LLM; run it off the event loop), then `attach(loop)`.
+
+    frontends: pipe pairs to make, one per frontend process; this object serves through the first, `links` are the
+    others' (hand each to a frontend process, then `close()` them here). link: serve through another frontend's pair
+    (in that frontend's process); the engine process is then not ours to start or stop."""
+
+    def __init__(self, spawn: Spawn | None = None, *, frontends: int = 1, link: EngineLink | None = None):
+        if (spawn is None) == (link is None):
+            raise ValueError("EngineProcess needs a Spawn or a link, not both")
         self.spawn = spawn
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may have initialised CUDA or XLA
-        self._down_recv, self._down = ctx.Pipe(duplex=False)
-        self._up, self._up_send = ctx.Pipe(duplex=False)
-        # The child logs as this process does (its records go to the same stderr, marked "engine").
-        levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
-        self._proc = ctx.Process(target=_child_main, args=(spawn.build, self._down_recv, self._up_send, levels),
-                                 name="jphoton-engine", daemon=True)
+        self.links: list[EngineLink] = []
+        self._proc = None
+        if link is None:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that may have initialised CUDA or XLA
+            pairs = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(frontends)]
+            (self._down_recv, self._down), (self._up, self._up_send) = pairs[0]
+            self.links = [EngineLink(i, frontends, down, up) for i, ((_, down), (up, _)) in enumerate(pairs) if i]
+            self._child_ends = [(down_recv, up_send) for (down_recv, _), (_, up_send) in pairs]
+            # The child logs as this process does (its records go to the same stderr, marked "engine").
+            levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
+            self._proc = ctx.Process(target=_child_main, args=(spawn.build, self._child_ends, levels),
+                                     name="jphoton-engine", daemon=True)
+            index, count = 0, frontends
+        else:
+            self._down, self._up, self._child_ends = link.down, link.up, []
+            index, count = link.index, link.count
         self._start_lock = threading.Lock()
         # Commands go through a writer thread: a 15 MB prompt is a 15 MB pipe write, which would hold the event loop
         # (and every health check) until the child had read it all.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="jphoton-engine-writer", daemon=True)
-        self._ids = itertools.count()
+        self._ids = itertools.count(index, count)  # the engine routes events by id modulo count
+        self._ids_count = count
+        self._remote_pid: int | None = None
         self._sinks: dict[int, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._lora_waiters: dict[int, asyncio.Future] = {}
@@ -123,22 +160,28 @@ class EngineProcess:
         with self._start_lock:
             if self._closing:
                 raise EngineDied("the server stopped before the engine process started")
-            self._proc.start()
+            if self._proc is not None:
+                self._proc.start()
             self._writer.start()
-        self._down_recv.close()
-        self._up_send.close()
-        if not self._up.poll(self.spawn.start_timeout):
+        for ends in self._child_ends:
+            for end in ends:
+                end.close()
+        timeout = self.spawn.start_timeout if self.spawn is not None else None
+        if not self._up.poll(timeout):
             self._proc.kill()
-            raise TimeoutError(f"the engine process did not start in {self.spawn.start_timeout} s")
+            raise TimeoutError(f"the engine process did not start in {timeout} s")
         try:
             kind, payload = pickle.loads(self._up.recv_bytes())
         except (EOFError, OSError):
+            if self._proc is None:
+                raise EngineDied("the engine process exited while starting") from None
             self._proc.join(5)
             raise EngineDied(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
         if kind == "failed":
-            self._proc.join(30)
+            if self._proc is not None:
+                self._proc.join(30)
             raise payload
-        self.info, self.last_stats, self.text_limits = payload
+        self.info, self.last_stats, self.text_limits, self._remote_pid = payload
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -151,12 +194,16 @@ class EngineProcess:
         """Abort what is left, let the child free its pages and exit; kill it if it does not within `timeout`."""
         with self._start_lock:
             self._closing = True
-            if self._proc.pid is None:  # never started (the server stopped while loading)
+            if self._proc is not None and self._proc.pid is None:  # never started (stopped while loading)
                 return
         try:
             self._send(("shutdown",))
         except EngineDied:
             pass
+        if self._proc is None:  # another frontend's engine: it stops once every frontend has sent shutdown
+            if self._writer.is_alive():
+                self._writer.join(timeout)
+            return
         self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("the engine process did not exit in %.0f s; killing it", timeout)
@@ -165,22 +212,44 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._proc.pid if self._proc is not None else self._remote_pid
 
     # ---- AsyncLLM's interface (called on the attached loop) ----------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None) -> tuple[int, asyncio.Queue]:
-        """Queue a request; returns (id, queue of RequestOutputs). A request the engine refuses gets one `Rejected`."""
+    @property
+    def frontends(self) -> int:
+        return self._ids_count
+
+    def submit(self, prompt, params: SamplingParams | None = None, name: str | None = None
+               ) -> tuple[int, asyncio.Queue]:
+        """Queue a request; returns (id, queue of RequestOutputs). A request the engine refuses gets one `Rejected`.
+        name: the client's request id, for `abort_named` from another frontend (several frontends only)."""
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error}")
         rid = next(self._ids)
         outputs: asyncio.Queue = asyncio.Queue()
         self._sinks[rid] = outputs
-        self._send(("add", rid, prompt, params))
+        self._send(("add", rid, prompt, params, name if self._ids_count > 1 else None))
         return rid, outputs
 
     def abort(self, request_id: int) -> None:
         if self._error is None:
             self._send(("abort", request_id))
+
+    async def abort_named(self, name: str, timeout: float = 5.0) -> bool:
+        """Abort the live request that a frontend submitted under the client id `name` (its stream ends with
+        finish_reason "abort"); False if there is none."""
+        if self._error is not None:
+            return False
+        nonce = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        self._send(("abort_named", nonce, name))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._stats_waiters.pop(nonce, None)
 
     def chat_prompt(self, messages: list[dict]):
         return ChatPrompt(messages)  # the child applies the chat template (it has the tokenizer)
@@ -259,8 +328,9 @@ class EngineProcess:
                 loop.call_soon_threadsafe(self._dispatch, events)
             except RuntimeError:  # the loop is closed
                 return
-        self._proc.join(5)
-        code = self._proc.exitcode
+        if self._proc is not None:
+            self._proc.join(5)
+        code = self._proc.exitcode if self._proc is not None else "unknown: another frontend's child"
         try:
             loop.call_soon_threadsafe(self._died, f"the engine process exited (exit code {code})")
         except RuntimeError:
@@ -282,6 +352,10 @@ class EngineProcess:
                 sink = self._sinks.pop(ev[1], None)
                 if sink is not None:
                     sink.put_nowait(Rejected(ev[2]))
+            elif kind == "aborted":
+                fut = self._stats_waiters.get(ev[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(ev[2])
             elif kind == "stats":
                 self.last_stats = ev[2]
                 fut = self._stats_waiters.get(ev[1])
@@ -311,7 +385,8 @@ class EngineProcess:
 
 
 # ---- the child -------------------------------------------------------------------------------------------------------
-def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, int]) -> None:
+def _child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: tuple[int, int]) -> None:
+    """links: (commands, events) connection pair per frontend."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: the server drains us
     logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s")
@@ -323,17 +398,18 @@ def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, i
             pickle.dumps(e)
         except Exception:  # noqa: BLE001
             e = RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        events.send_bytes(pickle.dumps(("failed", e)))
+        for _, events in links:
+            _send_quietly(events, pickle.dumps(("failed", e)))
         return
-    events.send_bytes(pickle.dumps(("ready", (model_info(llm), llm.stats(), llm.text_limits()))))
+    ready = pickle.dumps(("ready", (model_info(llm), llm.stats(), llm.text_limits(), os.getpid())))
+    for _, events in links:
+        _send_quietly(events, ready)
     try:
-        _EngineLoop(llm, commands, events).run()
+        _EngineLoop(llm, links).run()
     except BaseException as e:  # a bug, not bad input: the server fails every open stream with INTERNAL
         logging.getLogger("jphoton").exception("engine loop died")
-        try:
-            events.send_bytes(pickle.dumps([("fatal", f"engine loop died: {e!r}")]))
-        except OSError:
-            pass
+        for _, events in links:
+            _send_quietly(events, pickle.dumps([("fatal", f"engine loop died: {e!r}")]))
         raise
     # Served and drained: leave now. A normal exit would first wait for the background warm-up thread to compile the
     # shapes it has left (minutes on a GPU), and the server would kill us after its timeout. The flush gets a second:
@@ -342,6 +418,15 @@ def _child_main(build: Callable[[], Any], commands, events, levels: tuple[int, i
     flusher.start()
     flusher.join(1.0)
     os._exit(0)
+
+
+def _send_quietly(conn, data: bytes) -> bool:
+    """Send to a frontend that may be gone (its process died, or it closed its ends); False if it is."""
+    try:
+        conn.send_bytes(data)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _flush_std() -> None:
@@ -353,14 +438,20 @@ def _flush_std() -> None:
 
 
 class _EngineLoop:
-    """The child's loop: drain commands, step, send one list of events per tick."""
+    """The child's loop: drain commands, step, send each frontend one list of events per tick."""
 
-    def __init__(self, llm, commands, events):
-        self.llm, self.commands, self.events = llm, commands, events
+    def __init__(self, llm, links: list[tuple[Any, Any]]):
+        self.llm = llm
+        self.commands = [c for c, _ in links]
+        self.events = [e for _, e in links]
+        self.n = len(links)  # frontend of an id (request or nonce): id % n
+        self.open = set(range(self.n))  # frontends that have not sent "shutdown" nor gone
         self.front_id: dict[int, int] = {}  # engine request id -> server id
         self.engine_id: dict[int, int] = {}  # server id -> engine request id
+        self.named: dict[str, int] = {}  # client request id -> server id (several frontends: Abort may come via another)
+        self.name_of: dict[int, str] = {}
         self.stopping = False
-        self.out: list = []
+        self.out: list[list] = [[] for _ in links]
         self.stats_at = 0.0
         # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
         self.preparer = Preparer()
@@ -375,11 +466,17 @@ class _EngineLoop:
         llm = self.llm
         while True:
             busy = llm.has_unfinished_requests()
-            # Block on the pipe only when there is nothing to step (the first command wakes us); while requests are
+            # Block on the pipes only when there is nothing to step (the first command wakes us); while requests are
             # being prepared, look back soon.
             waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
-            if self.commands.poll(0 if busy else 0.005 if waiting else 0.5):
-                self._drain()
+            timeout = 0 if busy or self.stopping else 0.005 if waiting else 0.5
+            if self.n == 1:  # (one frontend: a poll costs a few us, a wait over several a selector's setup)
+                ready = [0] if 0 in self.open and self.commands[0].poll(timeout) else []
+            else:
+                conns = [self.commands[i] for i in self.open]
+                ready = [self.commands.index(c) for c in mp_connection.wait(conns, timeout)] if conns else []
+            for i in ready:
+                self._drain(i)
             self._add_prepared()
             if self.lora_reading or self.lora_pending:
                 self._install_loras()
@@ -389,43 +486,57 @@ class _EngineLoop:
                 now = time.monotonic()
                 if now - self.stats_at > _STATS_EVERY_S:
                     self.stats_at = now
-                    self.out.append(("stats", -1, llm.stats()))
+                    self._broadcast(("stats", -1, llm.stats()))
             elif busy:  # just went idle: an exact snapshot (pages all back)
-                self.out.append(("stats", -1, llm.stats()))
-            if self.out:
-                self.events.send_bytes(pickle.dumps(self.out, protocol=pickle.HIGHEST_PROTOCOL))
-                self.out = []
+                self._broadcast(("stats", -1, llm.stats()))
+            self._flush()
             if self.stopping and not llm.has_unfinished_requests() and not self.preparer.pending():
                 self.preparer.shutdown()
                 for nonce in [*self.lora_reading, *(p[0] for p in self.lora_pending)]:
                     self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
-                if self.out:
-                    self.events.send_bytes(pickle.dumps(self.out, protocol=pickle.HIGHEST_PROTOCOL))
+                self._flush()
                 return
 
-    def _drain(self) -> None:
+    def _flush(self) -> None:
+        for i, out in enumerate(self.out):
+            if out:
+                _send_quietly(self.events[i], pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+                self.out[i] = []
+
+    def _broadcast(self, event: tuple) -> None:
+        for i in self.open:
+            self.out[i].append(event)
+
+    def _close(self, i: int) -> None:
+        """Frontend i sent "shutdown" or is gone: abort its requests; stop once no frontend is left."""
+        self.open.discard(i)
+        self._abort_all(i)
+        self.stopping = not self.open
+
+    def _drain(self, i: int) -> None:
         llm = self.llm
-        while self.commands.poll(0):
+        commands = self.commands[i]
+        while i in self.open and commands.poll(0):
             try:
-                cmd = pickle.loads(self.commands.recv_bytes())
-            except EOFError:  # the server is gone: stop serving
-                self._abort_all()
-                self.stopping = True
+                cmd = pickle.loads(commands.recv_bytes())
+            except (EOFError, OSError):  # the frontend is gone
+                self._close(i)
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params = cmd
+                _, rid, prompt, params, name = cmd
+                if name is not None:
+                    self.named[name], self.name_of[rid] = rid, name
                 self.preparer.submit(rid, lambda p=prompt, q=params: prepare(llm, p, q))
             elif kind == "abort":
-                eid = self.engine_id.get(cmd[1])
-                if eid is None:
-                    self.preparer.cancel(cmd[1])
-                else:
-                    o = llm.abort(eid)
-                    if o is not None:
-                        self._output(o)
+                self._abort(cmd[1])
+            elif kind == "abort_named":
+                rid = self.named.get(cmd[2])
+                self.out[cmd[1] % self.n].append(("aborted", cmd[1], rid is not None))
+                if rid is not None:
+                    self._abort(rid)
             elif kind == "stats":
-                self.out.append(("stats", cmd[1], llm.stats()))
+                self.out[cmd[1] % self.n].append(("stats", cmd[1], llm.stats()))
             elif kind == "lora_load":
                 self._read_lora(*cmd[1:])
             elif kind == "lora_unload":
@@ -433,20 +544,30 @@ class _EngineLoop:
             elif kind == "lora_list":
                 self._lora_answer(cmd[1], True, llm.list_loras())
             elif kind == "shutdown":
-                self._abort_all()
-                self.stopping = True
+                self._close(i)
+
+    def _abort(self, rid: int) -> None:
+        eid = self.engine_id.get(rid)
+        if eid is None:
+            self.preparer.cancel(rid)
+        else:
+            o = self.llm.abort(eid)
+            if o is not None:
+                self._output(o)
 
     def _add_prepared(self) -> None:
         for rid, seq, cancelled in self.preparer.take():
             if isinstance(seq, ValueError):
-                self.out.append(("reject", rid, str(seq)))
-            elif cancelled or self.stopping:
+                self.out[rid % self.n].append(("reject", rid, str(seq)))
+                self._forget_name(rid)
+            elif cancelled or rid % self.n not in self.open:
                 self._output(seq.output(seq.finish("abort")), rid)
             else:
                 try:
                     self.llm.add_request(seq)
                 except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
-                    self.out.append(("reject", rid, str(e)))
+                    self.out[rid % self.n].append(("reject", rid, str(e)))
+                    self._forget_name(rid)
                 else:
                     self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
 
@@ -506,14 +627,15 @@ class _EngineLoop:
         self._lora_answer(nonce, False, (err.kind, str(err)))
 
     def _lora_answer(self, nonce: int, ok: bool, result) -> None:
-        self.out.append(("lora", nonce, ok, result))
-        self.out.append(("stats", -1, self.llm.stats()))  # slot use changed: metrics see it now, not at the next tick
+        self.out[nonce % self.n].append(("lora", nonce, ok, result))
+        self._broadcast(("stats", -1, self.llm.stats()))  # slot use changed: metrics see it now, not at the next tick
 
-    def _abort_all(self) -> None:
-        for eid in list(self.front_id):
-            o = self.llm.abort(eid)
-            if o is not None:
-                self._output(o)
+    def _abort_all(self, frontend: int) -> None:
+        for eid, rid in list(self.front_id.items()):
+            if rid % self.n == frontend:
+                o = self.llm.abort(eid)
+                if o is not None:
+                    self._output(o)
 
     def _output(self, o: RequestOutput, rid: int | None = None) -> None:
         d = o.delta
@@ -523,8 +645,15 @@ class _EngineLoop:
                 return
             if d.finish_reason is not None:
                 del self.front_id[o.request_id], self.engine_id[rid]
-        self.out.append(("out", rid, d.token_ids, d.text, d.finish_reason, o.logprobs, o.prompt_tokens,
-                         o.completion_tokens, o.error, o.choice))
+        if d.finish_reason is not None:
+            self._forget_name(rid)
+        self.out[rid % self.n].append(("out", rid, d.token_ids, d.text, d.finish_reason, o.logprobs, o.prompt_tokens,
+                                       o.completion_tokens, o.error, o.choice))
+
+    def _forget_name(self, rid: int) -> None:
+        name = self.name_of.pop(rid, None)
+        if name is not None and self.named.get(name) == rid:
+            del self.named[name]
 
 
 def _die_with_parent() -> None:

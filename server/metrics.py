@@ -1,14 +1,17 @@
 """Prometheus metrics for the gRPC server: per-request latencies observed by the servicer, engine state read at scrape.
 
 Each server gets its own CollectorRegistry (not prometheus_client's global one), so several servers in one process
-(tests, benchmarks) do not collide on metric names.
+(tests, benchmarks) do not collide on metric names. With several frontend processes (`jphoton serve --frontends`),
+prometheus_client's multiprocess mode sums their request metrics: each process writes its values to files under
+PROMETHEUS_MULTIPROC_DIR (set before prometheus_client is imported), and the first frontend's /metrics reads them all.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess, start_http_server, values
 from prometheus_client.core import GaugeMetricFamily
 
 # Decode steps take ~1 ms (GPU) to ~100 ms (CPU); time to first token includes queueing, so it reaches further out.
@@ -31,14 +34,29 @@ class Metrics:
         self.prompt_tokens = Counter("jphoton_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("jphoton_generation_tokens", "Tokens streamed to clients", registry=r)
         self._server = None
+        self._engine: _EngineCollector | None = None
+
+    @staticmethod
+    def multiprocess() -> bool:
+        """prometheus_client writes values to PROMETHEUS_MULTIPROC_DIR (it was set when prometheus_client was
+        imported)."""
+        return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")) and values.ValueClass is not values.MutexValue
 
     def watch(self, stats: Callable[[], dict | None]) -> None:
         """Export the engine's gauges, read from `stats()` at each scrape (None while the model is still loading)."""
-        self.registry.register(_EngineCollector(stats))
+        self._engine = _EngineCollector(stats)
+        self.registry.register(self._engine)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve /metrics on host:port in a daemon thread; returns the bound port (port 0 picks a free one)."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics on host:port in a daemon thread; returns the bound port (port 0 picks a free one). In
+        multiprocess mode the request metrics are every process's sum."""
+        registry = self.registry
+        if self.multiprocess():
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            if self._engine is not None:
+                registry.register(self._engine)
+        self._server, _ = start_http_server(port, addr=host, registry=registry)
         return self._server.server_port
 
     def close(self) -> None:

@@ -76,6 +76,7 @@ class EngineServicer:
         self.llm = None  # the LLM when it runs in this process (AsyncLLM), else None
         self.engine: AsyncLLM | EngineProcess | None = None
         self.draining = False
+        self.calls = 0  # Generate calls admitted (logged per frontend at stop)
         self._live: dict[str, int] = {}  # client request id -> engine request id, while the stream is open
 
     def attach(self, llm) -> None:
@@ -111,12 +112,16 @@ class EngineServicer:
                                 f"server queue is full ({self.admission.capacity} unfinished requests); retry later")
         try:
             try:
-                engine_id, outputs = engine.submit(prompt, params)
+                if isinstance(engine, EngineProcess) and engine.frontends > 1:  # Abort may arrive via another one
+                    engine_id, outputs = engine.submit(prompt, params, name=rid)
+                else:
+                    engine_id, outputs = engine.submit(prompt, params)
             except ValueError as e:
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RuntimeError as e:  # the engine loop (or process) died
                 await self._fail(context, grpc.StatusCode.INTERNAL, str(e))
             self._live[rid] = engine_id
+            self.calls += 1
             try:
                 async for msg in self._stream(engine_id, outputs, rid, t_arrival, context):
                     yield msg
@@ -131,7 +136,10 @@ class EngineServicer:
         engine_id = self._live.get(request.request_id)
         if engine_id is not None and self.engine is not None:
             self.engine.abort(engine_id)  # the stream then ends normally, with finish_reason "abort"
-        return pb.AbortResponse(found=engine_id is not None)
+            return pb.AbortResponse(found=True)
+        if isinstance(self.engine, EngineProcess) and self.engine.frontends > 1:  # a stream on another frontend?
+            return pb.AbortResponse(found=await self.engine.abort_named(request.request_id))
+        return pb.AbortResponse(found=False)
 
     async def GetModelInfo(self, request, context):
         engine = await self._ready(context, draining_ok=True)

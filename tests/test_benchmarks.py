@@ -153,9 +153,11 @@ def test_serving():
 
     result = main(["--model", TINY, "--concurrency", "3", "--requests-per-client", "2", "--prompt-len", "16",
                    "--new-tokens", "6", "--client-procs", "2", "--servers", "process",  # (CI time: not "thread")
+                   "--frontends", "2",  # two gRPC processes on the port (jphoton serve's default on larger hosts)
                    "--llm-args", "max_num_seqs=4,max_model_len=64,decode_buckets=(4,),prefill_buckets=((1,16),)"])
     assert result["compiles_after_warmup"] == 0 and {r["mode"] for r in result["rows"]} == {"static", "staggered"}
     assert [r["server"] for r in result["rows"]] == ["process", "process"]
+    assert [r["frontends"] for r in result["rows"]] == [2, 2]
     assert result["info"]["backend"] == "cpu"  # reported by the engine's process
     for row in result["rows"]:  # 3 streams over 2 client processes, every request's 6 tokens accounted for
         assert row["client"]["processes"] == 2 and 0 < row["client"]["max_core_fraction"] < 2

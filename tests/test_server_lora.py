@@ -171,7 +171,7 @@ def test_an_adapter_unloaded_after_its_request_was_checked_is_refused_by_the_eng
     llm = make_llm(str(BASE), warmup="off", max_loras=1, max_lora_rank=16)
     commands, send_end = multiprocessing.Pipe(duplex=False)
     recv_end, events = multiprocessing.Pipe(duplex=False)
-    loop = _EngineLoop(llm, commands, events)
+    loop = _EngineLoop(llm, [(commands, events)])
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     got = []
@@ -193,7 +193,7 @@ def test_an_adapter_unloaded_after_its_request_was_checked_is_refused_by_the_eng
         assert wait_for("lora", 1)[2:] == (True, {"name": "a", "slot": 0, "rank": 8, "source": str(ADAPTERS / "a"),
                                                "running": 0})
         _unload_after_checking(llm, "a")
-        send(("add", 7, {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, lora="a")))
+        send(("add", 7, {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, lora="a"), None))
         assert "unknown LoRA adapter 'a'" in wait_for("reject", 7)[2]
         send(("lora_load", 2, "b", str(ADAPTERS / "missing")))
         assert wait_for("lora", 2)[2:] == (False, ("invalid", f"LoRA adapter {str(ADAPTERS / 'missing')!r}: "
