@@ -58,7 +58,7 @@ for section in "$@"; do
       run "$section" python3 benchmarks/pipeline.py --models "random:$m" --streams 1 8 32 --out "$OUT" \
         --tag "${section#pipeline-}" ;;
     serving)  # gRPC serving (server/): staggered arrivals at concurrency C vs the same requests as a static batch of C,
-      # the engine in its own process (jphoton serve) and in a thread of the server process (--in-process)
+      # `jphoton serve` with one gRPC frontend process and with two (--frontends)
       run serving python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency 32 64 --prompt-len 128 \
         --new-tokens 256 --requests-per-client 4 --servers process --frontends 1 2 --out "$OUT/serving.json" ;;
     serving-smollm2)  # the same with the SmolLM2-135M shape at C=32 (host-bound: ~0.9 ms device steps)
