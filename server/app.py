@@ -63,7 +63,8 @@ class Server:
         self.frontends, self.frontend_index = frontends, frontend_index
         self.reuse_port = reuse_port or frontends > 1
         self._frontend_procs: list = []
-        self.drain_grace = 30.0  # what the other frontends drain for at stop (run_until_signal sets its grace)
+        # the other frontends drain for this long at stop, with this GIL switch interval (run_until_signal's)
+        self.drain_grace, self.switch_interval = 30.0, None
         self.metrics = Metrics()
         self.metrics_port_requested = metrics_port
         self.metrics_port: int | None = None
@@ -153,7 +154,8 @@ class Server:
                       metrics_port=None, reuse_port=True)
         for link in links:
             proc = ctx.Process(target=_frontend_main, name=f"jphoton-frontend-{link.index}", daemon=True,
-                               args=(link, {**kwargs, "frontend_index": link.index}, levels, self.drain_grace))
+                               args=(link, {**kwargs, "frontend_index": link.index}, levels, self.drain_grace,
+                                     self.switch_interval))
             proc.start()
             self._frontend_procs.append(proc)
             link.close()
@@ -294,8 +296,13 @@ def _check_port_free(host: str, port: int) -> None:
             raise OSError(f"cannot bind {host}:{port} ({e.strerror})") from None
 
 
-def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int], grace: float) -> None:
+def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int], grace: float,
+                   switch_interval: float | None) -> None:
     """A frontend process after the first: serve the port (shared) through `link` until SIGTERM, then drain."""
+    import sys
+
+    if switch_interval is not None:  # as the first frontend's (run_until_signal)
+        sys.setswitchinterval(switch_interval)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the first frontend drains us
     logging.basicConfig(level=levels[0], format=f"%(levelname)s %(name)s (frontend {link.index}): %(message)s")
     logging.getLogger("jphoton").setLevel(levels[1])
@@ -347,7 +354,7 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = Server(**server_kwargs)
-    server.drain_grace = grace
+    server.drain_grace, server.switch_interval = grace, switch_interval
     port = await server.start()
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),

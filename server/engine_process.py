@@ -470,8 +470,8 @@ class _EngineLoop:
             # being prepared, look back soon.
             waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
             timeout = 0 if busy or self.stopping else 0.005 if waiting else 0.5
-            if self.n == 1:  # (one frontend: a poll costs a few us, a wait over several a selector's setup)
-                ready = [0] if 0 in self.open and self.commands[0].poll(timeout) else []
+            if timeout == 0 or self.n == 1:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
+                ready = [i for i in sorted(self.open) if self.commands[i].poll(timeout)]
             else:
                 conns = [self.commands[i] for i in self.open]
                 ready = [self.commands.index(c) for c in mp_connection.wait(conns, timeout)] if conns else []
