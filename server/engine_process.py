@@ -491,6 +491,7 @@ class _EngineLoop:
                 self._broadcast(("stats", -1, llm.stats()))
             self._flush()
             if self.stopping and not llm.has_unfinished_requests() and not self.preparer.pending():
+                log.info("engine loop done (%s)", llm.stats())
                 self.preparer.shutdown()
                 for nonce in [*self.lora_reading, *(p[0] for p in self.lora_pending)]:
                     self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
@@ -507,11 +508,12 @@ class _EngineLoop:
         for i in self.open:
             self.out[i].append(event)
 
-    def _close(self, i: int) -> None:
+    def _close(self, i: int, why: str) -> None:
         """Frontend i sent "shutdown" or is gone: abort its requests; stop once no frontend is left."""
         self.open.discard(i)
         self._abort_all(i)
         self.stopping = not self.open
+        log.info("frontend %d %s; %s", i, why, "stopping" if self.stopping else f"{len(self.open)} frontends left")
 
     def _drain(self, i: int) -> None:
         llm = self.llm
@@ -520,7 +522,7 @@ class _EngineLoop:
             try:
                 cmd = pickle.loads(commands.recv_bytes())
             except (EOFError, OSError):  # the frontend is gone
-                self._close(i)
+                self._close(i, "is gone")
                 return
             kind = cmd[0]
             if kind == "add":
@@ -544,7 +546,7 @@ class _EngineLoop:
             elif kind == "lora_list":
                 self._lora_answer(cmd[1], True, llm.list_loras())
             elif kind == "shutdown":
-                self._close(i)
+                self._close(i, "sent shutdown")
 
     def _abort(self, rid: int) -> None:
         eid = self.engine_id.get(rid)
