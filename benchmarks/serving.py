@@ -320,12 +320,12 @@ def serve_child(spec: dict) -> None:
     or in a thread of the server process ("thread", `jphoton serve --in-process`)."""
     import functools
 
-    from server.app import default_frontends, run_until_signal
+    from server.app import run_until_signal
     from server.engine_process import Spawn
 
     build = functools.partial(build_engine, spec)
     model = Spawn(build) if spec["server"] == "process" else build
-    frontends = spec["frontends"] or (default_frontends() if spec["server"] == "process" else 1)
+    frontends = spec["frontends"] or 1
     print(f"frontends: {frontends}", flush=True)
     asyncio.run(run_until_signal(model, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"],
                                  frontends=frontends))
@@ -456,9 +456,9 @@ def main(argv=None):
     ap.add_argument("--servers", nargs="+", default=["process"], choices=("process", "thread"),
                     help="start a server of each kind in turn, same load: the engine in its own process (what `jphoton "
                          "serve` runs) or in a thread of the server process (`jphoton serve --in-process`)")
-    ap.add_argument("--frontends", type=int, nargs="+", default=[None],
-                    help="the server's frontend processes (`jphoton serve --frontends`; default: its default); "
-                         "several values: one server each, in turn, same load")
+    ap.add_argument("--frontends", type=int, nargs="+", default=[1],
+                    help="the server's frontend processes (`jphoton serve --frontends`); several values: one server "
+                         "each, in turn, same load")
     ap.add_argument("--channels-per-proc", type=int, default=4,
                     help="connections per load-generator process (requests dealt over them)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4])

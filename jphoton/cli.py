@@ -200,8 +200,6 @@ def _cmd_serve(args) -> int:
     import tempfile
 
     frontends = args.frontends
-    if frontends is None:  # (cpu count: no import of the server for it)
-        frontends = 2 if (os.cpu_count() or 1) >= 8 else 1
     metrics_dir = None
     if frontends > 1 and args.metrics_port is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # the frontends' request metrics are summed through files (server/metrics.py): set before the import
@@ -289,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queue", type=_int_in(1), default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
     s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")
-    s.add_argument("--frontends", type=_int_in(1, 64), default=None,
-                   help="gRPC processes (each its own event loop) sharing the port and the one engine process "
-                        "(default: 2 on hosts with 8 or more cores, else 1)")
+    s.add_argument("--frontends", type=_int_in(1, 64), default=1,
+                   help="gRPC processes, each with its own event loop, sharing the port and the one engine process: 2 "
+                        "halves TTFT at 64 streams but costs 7-14%% of throughput at 32 (docs/serving.md)")
     s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
     s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

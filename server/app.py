@@ -36,12 +36,6 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
 
 
-def default_frontends() -> int:
-    """`jphoton serve --frontends`' default: a second event loop where the host has the cores for it (measured on the
-    H100 host, 16 cores: benchmarks/RESULTS.md, "Serving (gRPC)")."""
-    return 2 if (os.cpu_count() or 1) >= 8 else 1
-
-
 class Server:
     """One gRPC server around one LLM. Every method runs on the event loop that called start().
 

@@ -135,6 +135,7 @@ class EngineProcess:
             self._down, self._up, self._child_ends = link.down, link.up, []
             index, count = link.index, link.count
         self._start_lock = threading.Lock()
+        self._join_lock = threading.Lock()
         # Commands go through a writer thread: a 15 MB prompt is a 15 MB pipe write, which would hold the event loop
         # (and every health check) until the child had read it all.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -204,11 +205,18 @@ class EngineProcess:
             if self._writer.is_alive():
                 self._writer.join(timeout)
             return
-        self._proc.join(timeout)
-        if self._proc.is_alive():
+        self._join(timeout)
+        if self._proc.exitcode is None:
             log.warning("the engine process did not exit in %.0f s; killing it", timeout)
             self._proc.kill()
-            self._proc.join(5)
+            self._join(5)
+
+    def _join(self, timeout: float) -> None:
+        """Join the child from one thread at a time: the reader (at end of file) and shutdown both join it, and the
+        loser of two concurrent waitpid calls gets ECHILD, which multiprocessing reports as "still running" (exit
+        code None: shutdown then logged that the child did not exit in 30 s and killed a dead process, at once)."""
+        with self._join_lock:
+            self._proc.join(timeout)
 
     @property
     def pid(self) -> int | None:
@@ -329,7 +337,7 @@ class EngineProcess:
             except RuntimeError:  # the loop is closed
                 return
         if self._proc is not None:
-            self._proc.join(5)
+            self._join(5)
         code = self._proc.exitcode if self._proc is not None else "unknown: another frontend's child"
         try:
             loop.call_soon_threadsafe(self._died, f"the engine process exited (exit code {code})")

@@ -1,0 +1,146 @@
+"""`jphoton serve --frontends 2`: two gRPC processes on one port (SO_REUSEPORT), each with its own pipe pair to the
+one engine process (server/app.py, server/engine_process.py). Streams equal LLM.generate whichever frontend a
+connection lands on, Abort finds a stream that lives on the other frontend, cancels free every page, GetStats and
+/metrics add both frontends up, and stopping ends every process with exit code 0."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from jphoton import LLM, SamplingParams
+from server import jphoton_pb2 as pb
+from server import jphoton_pb2_grpc as pb_grpc
+from server.app import serve
+from server.engine_process import Spawn
+
+from conftest import ENGINE_ARGS, FIXTURES
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+NEW = 8
+CHANNELS = 16
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # else the channels of a process share one connection
+
+
+@pytest.fixture(scope="module")
+def two_frontends(embedded_llm):
+    refs = embedded_llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0))
+    build = functools.partial(LLM, None, dtype="float32", freeze_gc=False, warmup="full", **ENGINE_ARGS)
+    handle = serve(Spawn(build), port=0, max_queue=64, wait=True, frontends=2)
+    channels = [grpc.insecure_channel(f"127.0.0.1:{handle.port}", options=OWN_CONNECTION) for _ in range(CHANNELS)]
+    yield handle, [pb_grpc.EngineStub(ch) for ch in channels], refs
+    for ch in channels:
+        ch.close()
+    handle.stop(grace=5)
+
+
+def _greedy(text: str, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=NEW, temperature=0, **kw))
+
+
+def test_streams_over_both_frontends_equal_llm_generate(two_frontends):
+    handle, stubs, refs = two_frontends
+    before = handle.server.servicer.calls
+    for i, stub in enumerate(stubs):
+        msgs = list(stub.Generate(_greedy(PROMPTS[i % 4]), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == refs[i % 4].token_ids
+        assert "".join(m.text for m in msgs) == refs[i % 4].text
+    here = handle.server.servicer.calls - before  # the first frontend's share; the rest went to the other process
+    assert 0 < here < CHANNELS, f"{here} of {CHANNELS} connections on the first frontend"
+    assert handle.server.admission.capacity == 32  # max_queue split between the two
+
+
+def test_abort_reaches_a_stream_on_the_other_frontend_and_pages_come_back(two_frontends):
+    handle, stubs, _ = two_frontends
+    compiles = stubs[0].GetStats(pb.GetStatsRequest(), timeout=10).num_compiles
+    call = stubs[0].Generate(pb.GenerateRequest(text=PROMPTS[0], request_id="long", sampling=pb.SamplingParams(
+        max_tokens=2000, temperature=0, ignore_eos=True)), timeout=120)
+    next(call)
+    # GetStats' `queued` counts the answering frontend's open calls: 0 on the frontend that does not hold the stream
+    other = next(s for s in stubs[1:] if s.GetStats(pb.GetStatsRequest(), timeout=10).queued == 0)
+    assert other.Abort(pb.AbortRequest(request_id="long"), timeout=10).found
+    assert [m.finish_reason for m in call][-1] == "abort"
+    assert not other.Abort(pb.AbortRequest(request_id="no-such-request"), timeout=10).found
+
+    async def cancels():  # 32 streams over 8 connections, every third cancelled by its client
+        chs = [grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}", options=OWN_CONNECTION) for _ in range(8)]
+
+        async def one(i):
+            call = pb_grpc.EngineStub(chs[i % 8]).Generate(pb.GenerateRequest(
+                text=PROMPTS[i % 4], sampling=pb.SamplingParams(max_tokens=24, temperature=0.8, seed=i,
+                                                                ignore_eos=True)), timeout=120)
+            async for m in call:
+                if i % 3 == 0 and m.token_ids:
+                    call.cancel()
+                    return "cancelled"
+                if m.finish_reason:
+                    return m.finish_reason
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            for ch in chs:
+                await ch.close()
+
+    reasons = asyncio.run(cancels())
+    assert reasons.count("cancelled") == 11 and reasons.count("length") == 21
+    deadline = time.monotonic() + 30
+    while True:
+        s = stubs[0].GetStats(pb.GetStatsRequest(), timeout=10)
+        if s.kv_pages_free + s.kv_pages_evictable == s.kv_pages_total and s.running == s.waiting == 0:
+            break
+        assert time.monotonic() < deadline, f"pages not released: {s}"
+        time.sleep(0.05)
+    assert s.num_compiles == compiles
+
+
+def test_stop_ends_every_process_cleanly(two_frontends, caplog):
+    handle, _, _ = two_frontends
+    engine = handle.server.servicer.engine
+    frontends = list(handle.server._frontend_procs)
+    handle.stop(grace=5)
+    assert [p.exitcode for p in frontends] == [0]
+    assert engine._proc.exitcode == 0
+    assert "did not exit" not in caplog.text
+
+
+def test_jphoton_serve_frontends_sum_their_metrics(tmp_path):
+    """The CLI sets PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported: one /metrics for both frontends."""
+    proc = subprocess.Popen([sys.executable, "-m", "jphoton", "serve", "--model", str(FIXTURES / "tiny" / "llama3"),
+                             "--port", "0", "--frontends", "2", "--metrics-port", "0", "--max-num-seqs", "4",
+                             "--max-model-len", "128", "--grace", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        address = metrics = None
+        for line in proc.stdout:
+            if m := re.search(r"gRPC on (\S+) .*metrics on (\S+)", line):
+                address, metrics = m.group(1), m.group(2)
+            if "jphoton: SERVING" in line:
+                break
+        assert address and metrics, "no startup line"
+        for _ in range(8):
+            with grpc.insecure_channel(address, options=OWN_CONNECTION) as ch:
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(
+                    max_tokens=4, temperature=0, ignore_eos=True))
+                assert sum(len(m.token_ids) for m in pb_grpc.EngineStub(ch).Generate(req, timeout=60)) == 4
+        text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+        assert re.search(r'jphoton_requests_total\{code="OK",finish_reason="length"\} 8\.0', text), text
+        assert re.search(r"jphoton_generation_tokens_total 32\.0", text)
+        assert "jphoton_kv_pages_free" in text
+        assert list(tmp_path.glob("jphoton-metrics-*"))  # the frontends' value files
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert not list(tmp_path.glob("jphoton-metrics-*")) and "did not exit" not in rest
