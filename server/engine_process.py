@@ -34,6 +34,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -425,6 +426,9 @@ def _child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: 
     flusher = threading.Thread(target=_flush_std, daemon=True)
     flusher.start()
     flusher.join(1.0)
+    # What a normal exit runs for multiprocessing: a semaphore made here (tqdm's lock, created at its import) is
+    # otherwise left registered, and the resource tracker warns of a "leaked semaphore" when the server exits.
+    multiprocessing.util._exit_function()
     os._exit(0)
 
 

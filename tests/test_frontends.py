@@ -134,6 +134,11 @@ def test_jphoton_serve_frontends_sum_their_metrics(tmp_path):
                 req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(
                     max_tokens=4, temperature=0, ignore_eos=True))
                 assert sum(len(m.token_ids) for m in pb_grpc.EngineStub(ch).Generate(req, timeout=60)) == 4
+        with grpc.insecure_channel(address) as ch:  # (the engine child's background warm-up imports tqdm)
+            deadline = time.monotonic() + 120
+            while not pb_grpc.EngineStub(ch).GetStats(pb.GetStatsRequest(), timeout=10).all_shapes_ready:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
         text = urllib.request.urlopen(metrics, timeout=10).read().decode()
         assert re.search(r'jphoton_requests_total\{code="OK",finish_reason="length"\} 8\.0', text), text
         assert re.search(r"jphoton_generation_tokens_total 32\.0", text)
@@ -144,3 +149,4 @@ def test_jphoton_serve_frontends_sum_their_metrics(tmp_path):
         rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, rest
     assert not list(tmp_path.glob("jphoton-metrics-*")) and "did not exit" not in rest
+    assert "leaked semaphore" not in rest  # the engine child runs multiprocessing's exit hooks before os._exit
