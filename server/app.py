@@ -298,7 +298,8 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
     if switch_interval is not None:  # as the first frontend's (run_until_signal)
         sys.setswitchinterval(switch_interval)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the first frontend drains us
-    logging.basicConfig(level=levels[0], format=f"%(levelname)s %(name)s (frontend {link.index}): %(message)s")
+    logging.basicConfig(level=levels[0], format=f"%(levelname)s %(name)s (frontend {link.index}): %(message)s",
+                        force=True)
     logging.getLogger("jphoton").setLevel(levels[1])
     _exit_with_parent()
 

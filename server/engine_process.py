@@ -398,7 +398,8 @@ def _child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: 
     """links: (commands, events) connection pair per frontend."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: the server drains us
-    logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s")
+    # force: an import during unpickling may have configured the root logger already (records lost their marker)
+    logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s", force=True)
     logging.getLogger("jphoton").setLevel(levels[1])
     try:
         llm = build()
