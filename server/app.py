@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from server.engine_loop import exit_with_parent
 from server.engine_process import EngineLink, EngineProcess, Spawn
 from server.metrics import Metrics
 from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
@@ -301,7 +302,7 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
     logging.basicConfig(level=levels[0], format=f"%(levelname)s %(name)s (frontend {link.index}): %(message)s",
                         force=True)
     logging.getLogger("jphoton").setLevel(levels[1])
-    _exit_with_parent()
+    exit_with_parent()  # (as the engine process does)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -317,18 +318,6 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
 
     asyncio.run(run())
     os._exit(0)  # (the loader thread may still wait for the engine's ready message)
-
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="jphoton-parent-watch", daemon=True).start()
 
 
 async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float | None = 0.001,

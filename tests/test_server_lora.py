@@ -25,7 +25,8 @@ from jphoton import LLM, SamplingParams
 from server import jphoton_pb2 as pb
 from server import jphoton_pb2_grpc as pb_grpc
 from server.app import serve
-from server.engine_process import EngineProcess, Spawn, _EngineLoop
+from server.engine_loop import EngineLoop
+from server.engine_process import EngineProcess, Spawn
 
 from conftest import ENGINE_ARGS, FIXTURES, make_llm
 
@@ -171,7 +172,7 @@ def test_an_adapter_unloaded_after_its_request_was_checked_is_refused_by_the_eng
     llm = make_llm(str(BASE), warmup="off", max_loras=1, max_lora_rank=16)
     commands, send_end = multiprocessing.Pipe(duplex=False)
     recv_end, events = multiprocessing.Pipe(duplex=False)
-    loop = _EngineLoop(llm, [(commands, events)])
+    loop = EngineLoop(llm, [(commands, events)])
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     got = []

@@ -1,0 +1,346 @@
+"""The engine process's side of server/engine_process.py (whose docstring describes the transport): build the LLM,
+tell every frontend it is ready, then run the loop that drains commands, steps the LLM and sends each frontend one
+list of events per tick, until every frontend has sent "shutdown" or gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection as mp_connection
+import multiprocessing.util
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from jphoton.async_llm import Preparer, model_info, prepare, tokenize_long_prompts_apart
+from jphoton.engine.loras import NoFreeLoraSlot
+from jphoton.sequence import RequestOutput
+
+log = logging.getLogger("jphoton.server")
+
+_STATS_EVERY_S = 0.25  # the child pushes a stats snapshot this often while busy (metrics scrapes read it)
+LORA_WAIT_S = 60.0  # a LoRA load waits this long for a draining slot (as LLM.load_lora's default timeout)
+
+
+
+class LoraError(Exception):
+    """A LoRA command that failed. kind: "invalid" (bad name, path or adapter), "no_slot" (every slot is taken),
+    "off" (the engine has no LoRA slots), "unavailable" (the engine is stopping), "internal" (a bug)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def lora_error(llm, e: BaseException) -> LoraError:
+    """What a LoRA call on `llm` raised, as a LoraError (the same kinds in the engine process and in-process)."""
+    if isinstance(e, LoraError):
+        return e
+    if not llm.stats().get("lora_slots_total", 0):
+        return LoraError("off", str(e))
+    if isinstance(e, NoFreeLoraSlot):
+        return LoraError("no_slot", str(e))
+    if isinstance(e, (ValueError, OSError)):
+        return LoraError("invalid", str(e))
+    log.error("LoRA command failed", exc_info=e)
+    return LoraError("internal", f"{type(e).__name__}: {e}")
+
+
+def child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: tuple[int, int]) -> None:
+    """links: (commands, events) connection pair per frontend."""
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: the server drains us
+    # force: an import during unpickling may have configured the root logger already (records lost their marker)
+    logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s", force=True)
+    logging.getLogger("jphoton").setLevel(levels[1])
+    try:
+        llm = build()
+    except BaseException as e:  # noqa: BLE001 - report any failure to the parent, which re-raises it
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            e = RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        for _, events in links:
+            _send_quietly(events, pickle.dumps(("failed", e)))
+        return
+    ready = pickle.dumps(("ready", (model_info(llm), llm.stats(), llm.text_limits(), os.getpid())))
+    for _, events in links:
+        _send_quietly(events, ready)
+    try:
+        EngineLoop(llm, links).run()
+    except BaseException as e:  # a bug, not bad input: the server fails every open stream with INTERNAL
+        logging.getLogger("jphoton").exception("engine loop died")
+        for _, events in links:
+            _send_quietly(events, pickle.dumps([("fatal", f"engine loop died: {e!r}")]))
+        raise
+    # Served and drained: leave now. A normal exit would first wait for the background warm-up thread to compile the
+    # shapes it has left (minutes on a GPU), and the server would kill us after its timeout. The flush gets a second:
+    # stdout may be a pipe nobody reads any more (benchmarks/serving.py's server child: the flush blocked for good).
+    flusher = threading.Thread(target=_flush_std, daemon=True)
+    flusher.start()
+    flusher.join(1.0)
+    # What a normal exit runs for multiprocessing: a semaphore made here (tqdm's lock, created at its import) is
+    # otherwise left registered, and the resource tracker warns of a "leaked semaphore" when the server exits.
+    multiprocessing.util._exit_function()
+    os._exit(0)
+
+
+def _send_quietly(conn, data: bytes) -> bool:
+    """Send to a frontend that may be gone (its process died, or it closed its ends); False if it is."""
+    try:
+        conn.send_bytes(data)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _flush_std() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+class EngineLoop:
+    """The child's loop: drain commands, step, send each frontend one list of events per tick."""
+
+    def __init__(self, llm, links: list[tuple[Any, Any]]):
+        self.llm = llm
+        self.commands = [c for c, _ in links]
+        self.events = [e for _, e in links]
+        self.n = len(links)  # frontend of an id (request or nonce): id % n
+        self.open = set(range(self.n))  # frontends that have not sent "shutdown" nor gone
+        self.front_id: dict[int, int] = {}  # engine request id -> server id
+        self.engine_id: dict[int, int] = {}  # server id -> engine request id
+        self.named: dict[str, int] = {}  # client request id -> server id (several frontends: Abort may come via another)
+        self.name_of: dict[int, str] = {}
+        self.stopping = False
+        self.out: list[list] = [[] for _ in links]
+        self.stats_at = 0.0
+        # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
+        self.preparer = Preparer()
+        # LoRA loads: adapters are read on threads (lora_reading: nonces), installed between ticks (lora_pending:
+        # [nonce, name, adapter, deadline once a draining slot was found]).
+        self.lora_read: queue.SimpleQueue = queue.SimpleQueue()
+        self.lora_reading: set[int] = set()
+        self.lora_pending: list[list] = []
+        tokenize_long_prompts_apart(llm)
+
+    def run(self) -> None:
+        llm = self.llm
+        while True:
+            busy = llm.has_unfinished_requests()
+            # Block on the pipes only when there is nothing to step (the first command wakes us); while requests are
+            # being prepared, look back soon.
+            waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
+            timeout = 0 if busy or self.stopping else 0.005 if waiting else 0.5
+            if timeout == 0 or self.n == 1:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
+                ready = [i for i in sorted(self.open) if self.commands[i].poll(timeout)]
+            else:
+                conns = [self.commands[i] for i in self.open]
+                ready = [self.commands.index(c) for c in mp_connection.wait(conns, timeout)] if conns else []
+            for i in ready:
+                self._drain(i)
+            self._add_prepared()
+            if self.lora_reading or self.lora_pending:
+                self._install_loras()
+            if llm.has_unfinished_requests():
+                for o in llm.step():
+                    self._output(o)
+                now = time.monotonic()
+                if now - self.stats_at > _STATS_EVERY_S:
+                    self.stats_at = now
+                    self._broadcast(("stats", -1, llm.stats()))
+            elif busy:  # just went idle: an exact snapshot (pages all back)
+                self._broadcast(("stats", -1, llm.stats()))
+            self._flush()
+            if self.stopping and not llm.has_unfinished_requests() and not self.preparer.pending():
+                log.info("engine loop done (%s)", llm.stats())
+                self.preparer.shutdown()
+                for nonce in [*self.lora_reading, *(p[0] for p in self.lora_pending)]:
+                    self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+                self._flush()
+                return
+
+    def _flush(self) -> None:
+        for i, out in enumerate(self.out):
+            if out:
+                _send_quietly(self.events[i], pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+                self.out[i] = []
+
+    def _broadcast(self, event: tuple) -> None:
+        for i in self.open:
+            self.out[i].append(event)
+
+    def _close(self, i: int, why: str) -> None:
+        """Frontend i sent "shutdown" or is gone: abort its requests; stop once no frontend is left."""
+        self.open.discard(i)
+        self._abort_all(i)
+        self.stopping = not self.open
+        log.info("frontend %d %s; %s", i, why, "stopping" if self.stopping else f"{len(self.open)} frontends left")
+
+    def _drain(self, i: int) -> None:
+        llm = self.llm
+        commands = self.commands[i]
+        while i in self.open and commands.poll(0):
+            try:
+                cmd = pickle.loads(commands.recv_bytes())
+            except (EOFError, OSError):  # the frontend is gone
+                self._close(i, "is gone")
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, name = cmd
+                if name is not None:
+                    self.named[name], self.name_of[rid] = rid, name
+                self.preparer.submit(rid, lambda p=prompt, q=params: prepare(llm, p, q))
+            elif kind == "abort":
+                self._abort(cmd[1])
+            elif kind == "abort_named":
+                rid = self.named.get(cmd[2])
+                self.out[cmd[1] % self.n].append(("aborted", cmd[1], rid is not None))
+                if rid is not None:
+                    self._abort(rid)
+            elif kind == "stats":
+                self.out[cmd[1] % self.n].append(("stats", cmd[1], llm.stats()))
+            elif kind == "lora_load":
+                self._read_lora(*cmd[1:])
+            elif kind == "lora_unload":
+                self._lora_answer(cmd[1], True, llm.unload_lora(cmd[2]))
+            elif kind == "lora_list":
+                self._lora_answer(cmd[1], True, llm.list_loras())
+            elif kind == "shutdown":
+                self._close(i, "sent shutdown")
+
+    def _abort(self, rid: int) -> None:
+        eid = self.engine_id.get(rid)
+        if eid is None:
+            self.preparer.cancel(rid)
+        else:
+            o = self.llm.abort(eid)
+            if o is not None:
+                self._output(o)
+
+    def _add_prepared(self) -> None:
+        for rid, seq, cancelled in self.preparer.take():
+            if isinstance(seq, ValueError):
+                self.out[rid % self.n].append(("reject", rid, str(seq)))
+                self._forget_name(rid)
+            elif cancelled or rid % self.n not in self.open:
+                self._output(seq.output(seq.finish("abort")), rid)
+            else:
+                try:
+                    self.llm.add_request(seq)
+                except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
+                    self.out[rid % self.n].append(("reject", rid, str(e)))
+                    self._forget_name(rid)
+                else:
+                    self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
+
+    def _read_lora(self, nonce: int, name: str, path: str) -> None:
+        if self.stopping:
+            self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+            return
+
+        def read() -> None:
+            try:
+                result = self.llm.read_lora(path)
+            except BaseException as e:  # noqa: BLE001 - answered as this load's error (lora_error sorts it)
+                result = e
+            self.lora_read.put((nonce, name, result))
+
+        self.lora_reading.add(nonce)
+        threading.Thread(target=read, name="jphoton-lora-read", daemon=True).start()
+
+    def _install_loras(self) -> None:
+        """Install the adapters read so far, in the order they were read; those that find every slot taken and one
+        draining stay pending (retried next tick) until LORA_WAIT_S pass."""
+        while True:
+            try:
+                nonce, name, adapter = self.lora_read.get_nowait()
+            except queue.Empty:
+                break
+            self.lora_reading.discard(nonce)
+            if isinstance(adapter, BaseException):
+                self._lora_failed(nonce, adapter)
+            else:
+                self.lora_pending.append([nonce, name, adapter, None])
+        pending, self.lora_pending = self.lora_pending, []
+        for load in pending:
+            nonce, name, adapter, deadline = load
+            try:
+                info = self.llm.install_lora(name, adapter)
+            except NoFreeLoraSlot as e:
+                now = time.monotonic()
+                if self.stopping:
+                    self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
+                    continue
+                if e.draining:
+                    if deadline is None:
+                        load[3] = deadline = now + LORA_WAIT_S
+                    if now < deadline:
+                        self.lora_pending.append(load)
+                        continue
+                    e = NoFreeLoraSlot(f"{e}; no slot freed in {LORA_WAIT_S:.0f} s", draining=True)
+                self._lora_failed(nonce, e)
+            except Exception as e:  # noqa: BLE001 - a failed load fails that load only
+                self._lora_failed(nonce, e)
+            else:
+                self._lora_answer(nonce, True, info)
+
+    def _lora_failed(self, nonce: int, e: BaseException) -> None:
+        err = lora_error(self.llm, e)
+        self._lora_answer(nonce, False, (err.kind, str(err)))
+
+    def _lora_answer(self, nonce: int, ok: bool, result) -> None:
+        self.out[nonce % self.n].append(("lora", nonce, ok, result))
+        self._broadcast(("stats", -1, self.llm.stats()))  # slot use changed: metrics see it now, not at the next tick
+
+    def _abort_all(self, frontend: int) -> None:
+        for eid, rid in list(self.front_id.items()):
+            if rid % self.n == frontend:
+                o = self.llm.abort(eid)
+                if o is not None:
+                    self._output(o)
+
+    def _output(self, o: RequestOutput, rid: int | None = None) -> None:
+        d = o.delta
+        if rid is None:
+            rid = self.front_id.get(o.request_id)
+            if rid is None:
+                return
+            if d.finish_reason is not None:
+                del self.front_id[o.request_id], self.engine_id[rid]
+        if d.finish_reason is not None:
+            self._forget_name(rid)
+        self.out[rid % self.n].append(("out", rid, d.token_ids, d.text, d.finish_reason, o.logprobs, o.prompt_tokens,
+                                       o.completion_tokens, o.error, o.choice))
+
+    def _forget_name(self, rid: int) -> None:
+        name = self.name_of.pop(rid, None)
+        if name is not None and self.named.get(name) == rid:
+            del self.named[name]
+
+
+def exit_with_parent() -> None:
+    """Exit when the process that started this one dies, however it dies (the engine process must not keep holding the
+    GPU; a frontend must not keep the port). Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned us exits
+    (the server starts the engine process from a loader thread)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="jphoton-parent-watch", daemon=True).start()
