@@ -150,3 +150,20 @@ def test_jphoton_serve_frontends_sum_their_metrics(tmp_path):
     assert proc.returncode == 0, rest
     assert not list(tmp_path.glob("jphoton-metrics-*")) and "did not exit" not in rest
     assert "leaked semaphore" not in rest  # the engine child runs multiprocessing's exit hooks before os._exit
+
+
+def test_a_taken_port_fails_with_two_frontends_too(capsys):
+    """The frontends bind with SO_REUSEPORT, which would share a port with another server that did too (another
+    `jphoton serve --frontends 2`): the port is bound plainly first."""
+    import socket
+
+    from jphoton.cli import main
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--frontends", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "jphoton: error: cannot bind" in err and "Traceback" not in err
