@@ -112,10 +112,9 @@ class EngineServicer:
                                 f"server queue is full ({self.admission.capacity} unfinished requests); retry later")
         try:
             try:
-                if isinstance(engine, EngineProcess) and engine.frontends > 1:  # Abort may arrive via another one
-                    engine_id, outputs = engine.submit(prompt, params, name=rid)
-                else:
-                    engine_id, outputs = engine.submit(prompt, params)
+                # an engine process keeps the client's id while several frontends share it (Abort via another one)
+                named = {"name": rid} if isinstance(engine, EngineProcess) else {}
+                engine_id, outputs = engine.submit(prompt, params, **named)
             except ValueError as e:
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RuntimeError as e:  # the engine loop (or process) died
