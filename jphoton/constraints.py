@@ -2,15 +2,18 @@
 
 llguidance (Rust, no Python dependencies) compiles a JSON schema, regex or Lark/GBNF grammar against the tokenizer in
 about a millisecond and fills one int32 bitmask row (bit v of word v // 32 = token v allowed) per request in ~0.1 ms;
-its executor fills and advances many rows in parallel threads, which is what keeps the mask off the critical path of a
-batched step. Plain Python otherwise: the engine decides when masks are built and where they go.
+its executor fills and advances many rows in parallel threads with the GIL released. The engine starts a step's fill on
+a worker thread (`fill_masks_async`) and commits and plans meanwhile. Plain Python otherwise: the engine decides when
+masks are built and where they go.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -23,10 +26,12 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 FILL_MODES = ("auto", "parallel", "serial")
-# "auto": the first AUTO_TRIALS fills of >= AUTO_MIN_ROWS rows alternate between the two modes, then the faster per row
-# wins. Why measure: one mask costs ~5-20 us alone, yet inside the engine the parallel executor took 7-25x that per row
-# (H100 host: 1.56 ms for 32 rows; this 2-core CPU box: 2-4 ms, serial 1 ms): thread wake-ups and whatever else the
-# machine is doing decide it, and that differs by machine.
+# "parallel": llguidance's default executor (a thread per core); "serial": an executor of one thread (one call for all
+# rows, ~35% faster than a Python loop over rows, and it keeps the GIL released for the whole fill). "auto": the first
+# AUTO_TRIALS fills of >= AUTO_MIN_ROWS rows alternate between the two, then the faster per row wins. Why measure: one
+# mask costs ~5-20 us alone, yet inside the engine the parallel executor took 7-25x that per row (H100 host: 1.56 ms for
+# 32 rows; this 2-core CPU box: 2-4 ms, serial 1 ms): thread wake-ups and whatever else the machine is doing decide it,
+# and that differs by machine.
 AUTO_TRIALS = 16
 AUTO_MIN_ROWS = 4
 PROBE_STEPS = 4  # tokens a new constraint is walked at submission (GrammarCompiler._probe)
@@ -47,7 +52,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._lltok = None
-        self._executor = None
+        self._executors = {}  # fill mode -> llguidance.LLExecutor
+        self._worker: ThreadPoolExecutor | None = None  # fill_masks_async's thread
         self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
@@ -65,7 +71,7 @@ class GrammarCompiler:
             except TypeError:  # llguidance <= 1.6 takes one EOS id (the newest wheel for some platforms)
                 self._lltok = llguidance.LLTokenizer(hf_json, n_vocab=self.vocab_size,
                                                      eos_token=self._eos[0] if self._eos else None)
-            self._executor = llguidance.LLExecutor()
+            self._executors = {"parallel": llguidance.LLExecutor(), "serial": llguidance.LLExecutor(1)}
             self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name the problem, not the state
         return llguidance
 
@@ -117,33 +123,44 @@ class GrammarCompiler:
         return ""
 
     # ---- many rows at once ----------------------------------------------------------------------------------------
-    def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> None:
-        """Write each constraint's next-token bitmask into mask[row] (other rows untouched): on llguidance's parallel
-        executor or one row after the other (GIL released in both), as `fill_mode` says or as measured ("auto")."""
+    def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> float:
+        """Write each constraint's next-token bitmask into mask[row] (other rows untouched) with the executor that
+        `fill_mode` names or that is being measured ("auto"); returns the seconds it took."""
+        t0 = time.perf_counter()
         forced = [(c, r) for c, r in rows if c.kind == "forced"]  # a choice branch's row: its own mask, no matcher
         if forced:
             for c, r in forced:
                 c.fill(mask, r)
             rows = [(c, r) for c, r in rows if c.kind != "forced"]
-        if not rows:
-            return
-        mode = self.fill_mode
-        timing = mode == "auto" and len(rows) >= AUTO_MIN_ROWS
-        if mode == "auto":
-            par, ser = self.fill_trials["parallel"], self.fill_trials["serial"]
-            mode = "parallel" if len(par) <= len(ser) else "serial"
-        t0 = time.perf_counter()
-        if mode == "parallel":
+        if rows:
             from llguidance.numpy import fill_next_token_bitmask_par
 
-            fill_next_token_bitmask_par(self._executor, [(c.matcher, r) for c, r in rows], mask)
-        else:
-            from llguidance.numpy import fill_next_token_bitmask
+            mode = self.fill_mode
+            timing = mode == "auto" and len(rows) >= AUTO_MIN_ROWS
+            if mode == "auto":
+                par, ser = self.fill_trials["parallel"], self.fill_trials["serial"]
+                mode = "parallel" if len(par) <= len(ser) else "serial"
+            t1 = time.perf_counter()
+            fill_next_token_bitmask_par(self._executors[mode], [(c.matcher, r) for c, r in rows], mask)
+            if timing:
+                self._record_trial(mode, (time.perf_counter() - t1) / len(rows))
+        return time.perf_counter() - t0
 
-            for c, r in rows:
-                fill_next_token_bitmask(c.matcher, mask, r)
-        if timing:
-            self._record_trial(mode, (time.perf_counter() - t0) / len(rows))
+    def fill_masks_async(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> Future:
+        """`fill_masks` on a worker thread; the Future's result is its seconds. Returns once the worker holds the rows
+        (so that a caller busy in Python does not keep it waiting for the GIL): until the Future is done the caller must
+        not touch these matchers or mask rows."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="jphoton-masks")
+        started = threading.Event()
+
+        def fill() -> float:
+            started.set()
+            return self.fill_masks(rows, mask)
+
+        done = self._worker.submit(fill)
+        started.wait()
+        return done
 
     def _record_trial(self, mode: str, seconds_per_row: float) -> None:
         self.fill_trials[mode].append(seconds_per_row)
@@ -156,8 +173,8 @@ class GrammarCompiler:
                  1e6 * min(p, q), "serial" if p <= q else "parallel", 1e6 * max(p, q), AUTO_TRIALS)
 
     def advance(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
-        """Feed each constraint its committed token (one row after the other where serial fills won, else on the
-        parallel executor); False where the grammar rejected it."""
+        """Feed each constraint its committed token (on the executor the fills use); False where the grammar rejected
+        it."""
         if any(c.kind == "forced" for c, _ in tokens):  # choice branches (engine/choice.py) mixed with matchers
             matched = iter(self._advance_matchers([(c, t) for c, t in tokens if c.kind != "forced"]))
             return [c.advance(int(t)) if c.kind == "forced" else next(matched) for c, t in tokens]
@@ -166,9 +183,8 @@ class GrammarCompiler:
     def _advance_matchers(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         if not tokens:
             return []
-        if self.fill_mode == "serial":
-            return [c.matcher.consume_token(int(t)) for c, t in tokens]
-        return self._executor.consume_token_par([(c.matcher, int(t)) for c, t in tokens])
+        executor = self._executors["serial" if self.fill_mode == "serial" else "parallel"]
+        return executor.consume_token_par([(c.matcher, int(t)) for c, t in tokens])
 
 
 class Constraint:
