@@ -11,10 +11,8 @@ max_tokens before the constraint closed are counted apart (`truncated`); `valid`
   device           the decode step's forward + sampler dispatched back to back with no host work (free: fused
                    sampler; schema: fused + the masked sampler)
   idle             period - device: what the GPU waits per step
-  mask             median time to fill the step's bitmasks (llguidance, on the engine's worker thread, beside the
-                   commit and the planning of the next step)
-  host             median host time per step on the engine thread: plan + launch + commit + waiting for the masks
-                   + the masked sampler's dispatch
+  mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
+  host             median host time per step: plan + launch + commit + finalize
 
     python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out DIR
@@ -71,7 +69,7 @@ COORDS = r"\[[0-9]{1,3},[0-9]{1,3}(;[0-9]{1,3},[0-9]{1,3}){0,15}\]"
 PHASES = {  # host phases of a step: (start, end) telemetry fields
     "plan": ("t_plan", "t_planned"), "launch": ("t_launch", "t_launched"), "wait": ("t_commit", "t_ready"),
     "commit": ("t_ready", "t_committed"),
-    "mask_wait": ("t_fill_wait", "t_masked"), "sampler_dispatch": ("t_masked", "t_finalized"),
+    "mask_fill": ("t_finalize", "t_masked"), "sampler_dispatch": ("t_masked", "t_finalized"),
 }
 
 
@@ -87,8 +85,8 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
     phases = {p: 1e3 * statistics.median([span(r, p) for r in decode]) for p in PHASES} if decode else {}
     return dict(tok_s=run["tok_s"], tokens=run["tokens"], period_ms=run["period_ms"],
                 host_ms=1e3 * statistics.median(host), phases_ms=phases,
-                mask_ms=1e3 * statistics.median([r["fill_s"] for r in guided]) if guided else 0.0,
-                finalize_ms=1e3 * statistics.median([r["t_finalized"] - r["t_fill_wait"] for r in guided])
+                mask_ms=1e3 * statistics.median([span(r, "mask_fill") for r in guided]) if guided else 0.0,
+                finalize_ms=1e3 * statistics.median([r["t_finalized"] - r["t_finalize"] for r in guided])
                 if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
 
 

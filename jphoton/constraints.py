@@ -2,18 +2,15 @@
 
 llguidance (Rust, no Python dependencies) compiles a JSON schema, regex or Lark/GBNF grammar against the tokenizer in
 about a millisecond and fills one int32 bitmask row (bit v of word v // 32 = token v allowed) per request in ~0.1 ms;
-its executor fills and advances many rows in parallel threads with the GIL released. The engine starts a step's fill on
-a worker thread (`fill_masks_async`) and commits and plans meanwhile. Plain Python otherwise: the engine decides when
-masks are built and where they go.
+its executor fills and advances many rows in parallel threads with the GIL released. Plain Python otherwise: the
+engine decides when masks are built and where they go.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -53,7 +50,6 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids)
         self._lltok = None
         self._executors = {}  # fill mode -> llguidance.LLExecutor
-        self._worker: ThreadPoolExecutor | None = None  # fill_masks_async's thread
         self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
@@ -123,10 +119,9 @@ class GrammarCompiler:
         return ""
 
     # ---- many rows at once ----------------------------------------------------------------------------------------
-    def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> float:
+    def fill_masks(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> None:
         """Write each constraint's next-token bitmask into mask[row] (other rows untouched) with the executor that
-        `fill_mode` names or that is being measured ("auto"); returns the seconds it took."""
-        t0 = time.perf_counter()
+        `fill_mode` names or that is being measured ("auto")."""
         forced = [(c, r) for c, r in rows if c.kind == "forced"]  # a choice branch's row: its own mask, no matcher
         if forced:
             for c, r in forced:
@@ -140,27 +135,10 @@ class GrammarCompiler:
             if mode == "auto":
                 par, ser = self.fill_trials["parallel"], self.fill_trials["serial"]
                 mode = "parallel" if len(par) <= len(ser) else "serial"
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             fill_next_token_bitmask_par(self._executors[mode], [(c.matcher, r) for c, r in rows], mask)
             if timing:
-                self._record_trial(mode, (time.perf_counter() - t1) / len(rows))
-        return time.perf_counter() - t0
-
-    def fill_masks_async(self, rows: list[tuple[Constraint, int]], mask: np.ndarray) -> Future:
-        """`fill_masks` on a worker thread; the Future's result is its seconds. Returns once the worker holds the rows
-        (so that a caller busy in Python does not keep it waiting for the GIL): until the Future is done the caller must
-        not touch these matchers or mask rows."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="jphoton-masks")
-        started = threading.Event()
-
-        def fill() -> float:
-            started.set()
-            return self.fill_masks(rows, mask)
-
-        done = self._worker.submit(fill)
-        started.wait()
-        return done
+                self._record_trial(mode, (time.perf_counter() - t0) / len(rows))
 
     def _record_trial(self, mode: str, seconds_per_row: float) -> None:
         self.fill_trials[mode].append(seconds_per_row)

@@ -3,7 +3,6 @@
 One tick at pipeline depth 2 (the default), step t already on the device:
 
     host:   launch t+1 | plan+pack t+2 | wait for t's tokens, commit t | [grammar rows in t+1: fill masks, sample t+1]
-    masks:                                                  [t+1's masks fill on a worker thread, beside commit + plan]
     device: ..................... step t ....................... | step t+1 (carried-over tokens read on the device)
 
 - Launch: the scheduler planned t+1 in the tick before, from what the host knew before t-1 was committed (so only the
@@ -17,10 +16,9 @@ One tick at pipeline depth 2 (the default), step t already on the device:
   at once (its result emitted); its pages go back only when `inflight_refs` (launched steps that reference it) is 0.
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
   not. A step with grammar rows is launched forward-only (logits kept on the device); after commit t the matchers
-  advance, the masks are filled and the step is sampled ("finalized"). The fill (llguidance, GIL released) runs on a
-  worker thread while the host finishes the commit and plans the step after, whose input then rides in the masked
-  sampler's transfer (one host->device copy per step). Steps whose rows are all free sample inside the forward, so
-  they run a step ahead.
+  advance, the masks are filled and the step is sampled ("finalized"). The step after it is planned first, so that its
+  input rides in the masked sampler's transfer (one host->device copy per step). Steps whose rows are all free sample
+  inside the forward, so they run a step ahead.
 
 Invariants: a slot is reused only after the commit that read it; only the latest launched step can be finalized (the
 next launch reads its tokens); a sequence's pages are released only when it is finalized and no launched step
@@ -43,7 +41,7 @@ from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
 from jphoton.engine.scheduler import Scheduler, StepPlan
-from jphoton.engine.slots import DecodeSlot, MaskFill, PlannedStep, StepResult
+from jphoton.engine.slots import DecodeSlot, PlannedStep, StepResult
 from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import RequestOutput, Sequence
 
@@ -73,7 +71,6 @@ class Engine:
         self.grammar = grammar
         self.inflight: collections.deque[DecodeSlot] = collections.deque()  # launched, not yet committed
         self.ahead: PlannedStep | None = None  # planned during the last tick's finalize; launched next tick
-        self.mask_fill: MaskFill | None = None  # the awaiting step's masks, started by the commit before its finalize
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
         self._next_branch_id = -1  # internal sequences (a choice request's branches) count down from -1
         self.num_steps = 0
@@ -162,9 +159,7 @@ class Engine:
             slot = self.inflight.popleft()
             if slot.awaiting_mask:  # depth 1: sample right away (every earlier token is committed)
                 self._finalize(slot)
-            # the last commit before a grammar step's finalize starts that step's masks once its matchers advance
-            last = len(self.inflight) == keep and self.inflight and self.inflight[-1].awaiting_mask
-            outputs += self._commit(slot, masks_for=self.inflight[-1] if last else None)
+            outputs += self._commit(slot)
         # 3. finalize t+1: a launched grammar step is sampled now that t is committed; the step after it is planned
         # first, so that its input rides in the sampler's transfer
         if self.inflight and self.inflight[-1].awaiting_mask:
@@ -199,35 +194,23 @@ class Engine:
         rec.t_launched = self.telemetry.now()
         self.num_steps += 1
 
-    def _start_masks(self, slot: DecodeSlot) -> MaskFill:
-        """Start filling a grammar step's masks on the grammar's worker thread. Every token before the step is
-        committed (or, during its commit, fed to the matchers), so each matcher is in the state its row needs."""
-        plan, rec = slot.step.plan, slot.step.record
-        rec.t_finalize = self.telemetry.now()
-        inp = self.runner.sampler_input(plan, masked=True)
-        rows = [(c, r.out_row) for r in plan.rows if r.samples and not r.seq.finalized
-                and (c := r.seq.constraint) is not None
-                and not c.failed and not c.done]  # zombies, failed and completed rows keep the all-ones row
-        return MaskFill(slot, inp, self.grammar.fill_masks_async(rows, inp.mask))
-
     def _finalize(self, slot: DecodeSlot) -> None:
-        """Sample a grammar step once its masks are filled; a step planned ahead sends its input along in the same
-        transfer."""
-        fill, self.mask_fill = self.mask_fill, None
-        if fill is None or fill.slot is not slot:  # depth 1, or nothing started it: fill now
-            fill = self._start_masks(slot)
+        """Fill the grammar rows' masks (every token before the step is committed, so each matcher is in the state its
+        row needs) and sample the step; a step planned ahead sends its input along in the same transfer."""
         now = self.telemetry.now
-        rec = slot.step.record
-        rec.t_fill_wait = now()
-        rec.fill_s = fill.done.result()
+        plan, rec = slot.step.plan, slot.step.record
+        rec.t_finalize = now()
+        inp = self.runner.sampler_input(plan, masked=True)
+        rows = [(r.seq.constraint, r.out_row) for r in plan.rows
+                if r.samples and r.seq.constraint is not None and not r.seq.finalized
+                and not r.seq.constraint.failed]  # zombies and failed rows keep the all-ones row
+        self.grammar.fill_masks(rows, inp.mask)
         rec.t_masked = now()
-        self.runner.finalize(slot, fill.input, then=self.ahead.input if self.ahead is not None else None)
+        self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
         rec.t_finalized = now()
 
     # ---- commit ----------------------------------------------------------------------------------------------------
-    def _commit(self, slot: DecodeSlot, masks_for: DecodeSlot | None = None) -> list[RequestOutput]:
-        """Read a step's tokens and emit them. masks_for: the grammar step to be finalized after this commit: its masks
-        start filling as soon as the matchers have this step's tokens, and fill while the rest of the commit runs."""
+    def _commit(self, slot: DecodeSlot) -> list[RequestOutput]:
         now = self.telemetry.now
         plan, rec = slot.step.plan, slot.step.record
         rec.t_commit = now()
@@ -235,8 +218,6 @@ class Engine:
         rec.t_ready = now()
         verdicts = self._advance_grammar(plan, result) if rec.constrained_rows else {}
         rec.t_advanced = now()
-        if masks_for is not None:
-            self.mask_fill = self._start_masks(masks_for)
         outputs = []
         tokens = result.tokens
         for row in plan.rows:

@@ -4,7 +4,6 @@ what its commit reads back."""
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future
 from typing import NamedTuple
 
 import jax
@@ -66,15 +65,6 @@ class SamplerInput:
     mask: np.ndarray | None  # [max_rows, W] view, when masked
     fields: np.ndarray  # [max_rows, SAMPLER_ROW_FIELDS] view
     carrier: np.ndarray  # [packed_size] view when masked, else empty
-
-
-@dataclasses.dataclass
-class MaskFill:
-    """A grammar step's masks, being filled on the grammar's worker thread while the host commits and plans."""
-
-    slot: DecodeSlot  # the step they are for
-    input: SamplerInput  # its masked sampler's input; the worker writes the grammar rows of `input.mask`
-    done: Future  # the fill's seconds
 
 
 @dataclasses.dataclass

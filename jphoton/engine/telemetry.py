@@ -27,10 +27,8 @@ class StepRecord:
     t_advanced: float = 0.0  # grammar matchers fed the step's tokens
     t_committed: float = 0.0  # tokens appended, deltas built, stops checked
     constrained_rows: int = 0  # rows sampled under a grammar mask (the step samples at finalize)
-    t_finalize: float = 0.0  # the masks' fill starts (depth 2: on a worker thread, during the previous step's commit)
-    t_fill_wait: float = 0.0  # the host has committed and planned, and waits for the fill
+    t_finalize: float = 0.0  # finalize starts (after the previous step's commit): masks are filled
     t_masked: float = 0.0  # masks filled
-    fill_s: float = 0.0  # the fill's own time on the worker
     t_finalized: float = 0.0  # masked sampler dispatched (with the next step's input), host copy started
 
 
