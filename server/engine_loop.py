@@ -126,6 +126,7 @@ class EngineLoop:
         self.stopping = False
         self.out: list[list] = [[] for _ in links]
         self.stats_at = 0.0
+        self.programs_left = True  # compiled programs not yet run once (LLM.run_programs_once): run while idle
         # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
         self.preparer = Preparer()
         # LoRA loads: adapters are read on threads (lora_reading: nonces), installed between ticks (lora_pending:
@@ -143,6 +144,13 @@ class EngineLoop:
             # being prepared, look back soon.
             waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
             timeout = 0 if busy or self.stopping else 0.005 if waiting else 0.5
+            if timeout == 0.5 and self.programs_left:  # idle: one program's first run, then look at the pipes
+                ran = llm.run_programs_once(limit=1)
+                self.programs_left = bool(ran) or not llm.warmup.all_ready
+                if ran:
+                    timeout = 0
+                elif not self.programs_left:
+                    log.info("every program has run once (%d)", llm.stats()["programs_run_once"])
             if timeout == 0 or self.n == 1:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
                 ready = [i for i in sorted(self.open) if self.commands[i].poll(timeout)]
             else:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
-from jphoton.engine import warmup
+from jphoton.engine import compiles, warmup
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.scheduler import SchedulerConfig, StepShape
 from jphoton.engine.warmup import Warmup, background_order, first_shapes
@@ -115,15 +115,46 @@ def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypa
     greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], greedy)
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
-    assert llm.wait_until_ready(timeout=600)
-    stats = llm.stats()
     runner = llm.engine.runner
+    assert llm.warmup.wait(timeout=600)
+    # then wait_until_ready runs each program once (its first execution costs more), compiling nothing
+    compiled, before = compiles.num_compiles(), set(runner.first_ran)
+    assert llm.wait_until_ready(timeout=600)
+    assert compiles.num_compiles() == compiled
+    keys = llm.warmup.ready_programs()
+    assert runner.first_ran == set(keys) and len(keys) > len(before) > 0
+    assert {k[0] for k in keys} == {"step", "sampler"} and any(k[2] for k in keys if k[0] == "step")
+    assert llm.stats()["programs_run_once"] == len(keys) and llm.run_programs_once() == 0
+    stats = llm.stats()
     variants = runner.filtered_shapes()  # the decode steps' top-k / top-p variants, compiled last
     assert variants and runner.filtered_ready == set(variants)
     assert stats["all_shapes_ready"] and stats["shapes_compiled"] == stats["shapes_total"] == 4 + len(variants)
     assert llm.engine.scheduler.ready is None
 
     _random_mix(llm, random.Random(7), constraints=False)  # the tiny model's vocabulary is smaller than its tokenizer's
+
+
+def test_programs_run_once_in_any_order_leave_the_engine_serving():
+    """warmup="full": LLM() runs every program once (padding rows, the trash page); steps and samplers run in any
+    order after that leave the slots as serving expects (a step never donates the tokens it carries from), the pool
+    whole, and greedy tokens exact."""
+    ref = tiny_reference("llama3")
+    llm = make_llm(LLAMA, warmup="full")
+    runner = llm.engine.runner
+    keys = llm.warmup.ready_programs()
+    assert runner.first_ran == set(keys) and llm.stats()["programs_run_once"] == len(keys)
+    steps, samplers = [k for k in keys if k[0] == "step"], [k for k in keys if k[0] == "sampler"]
+    compiled = compiles.num_compiles()
+    for i, key in enumerate(steps):  # step, sampler, sampler, step, ...
+        runner.first_run(key)
+        for s in samplers[i % len(samplers):][:i % 3]:
+            runner.first_run(s)
+    assert compiles.num_compiles() == compiled
+    greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p, _, _ in ref], greedy)
+    assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
+    s = llm.stats()
+    assert s["kv_pages_free"] + s["kv_pages_evictable"] == s["kv_pages_total"]
 
 
 @pytest.fixture

@@ -186,6 +186,7 @@ class Runner:
                             jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
                             jax.tree.map(spec, self.lora_weights))
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # `install`: programs compiled by another process
+        self.first_ran: set[tuple] = set()  # programs run once already (`first_run`)
         if self.lora_enabled and not abstract:  # the adapter writes compile now: loading one serves without a compile
             blocks = lora_lib.slot_blocks(cfg, None, config.max_lora_rank)
             if not self._per_layer_lora:
@@ -533,6 +534,23 @@ class Runner:
         if self.tp is None or not isinstance(host, np.ndarray):
             return host
         return jax.device_put(host, self._sharding)
+
+    # ---- first runs ------------------------------------------------------------------------------------------------
+    def first_run(self, key: tuple) -> None:
+        """Run one compiled program once, on padding rows (trash page, no carry-over), and wait for it: a program's
+        first execution in a process costs far more than the later ones (a 1B decode step up to 390 ms on an H100,
+        lab/probes/first_run.py), and this way warm-up pays it, not a request. key: ("step", shape, filtered, lora)
+        or ("sampler", variant), as `install`'s. Only for an idle engine (it uses the decode slots)."""
+        if key[0] == "step":
+            _, shape, filtered, lora = key
+            slot = self._take_slot()
+            self._dispatch_into(slot, shape, self.layout(shape).empty(self.static.trash_page)["_buffer"],
+                                filtered=filtered, lora=lora)
+        else:  # on the slot of the last step, as in serving (the next step must not take the slot it carries from)
+            slot = self.slots[self._next_slot ^ 1]
+            self._resample_into(slot, key[1], self._sampler_input(key[1]).buffer)
+        jax.block_until_ready((slot.tokens, self.kv))
+        self.first_ran.add(key)
 
     # ---- measurement -----------------------------------------------------------------------------------------------
     def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False,

@@ -165,11 +165,24 @@ class Warmup:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    def ready_programs(self) -> list[tuple]:
+        """The programs compiled so far, as `Runner.install` keys: every one once all are ready, before that the
+        ready shapes' base steps (warmup="off": none; they compile at first use)."""
+        if self.mode == "off":
+            return []
+        if self.all_ready:
+            tasks = ([("step", s, False) for s in self.shapes] + [("step", s, True) for s in self.filtered]
+                     + [("sampler", v) for v in self.samplers])
+        else:  # (scheduler.ready is a frozenset the warm-up thread replaces whole: safe to read here)
+            tasks = [("step", s, False) for s in self.scheduler.ready or ()]
+        return [key for t in tasks for key in compile_worker.program_keys(t, self.runner.lora_enabled)]
+
     def stats(self) -> dict:
         filtered = len(self.runner.filtered_ready or ()) if self.mode != "off" else 0
         return {"shapes_compiled": len(self.compiled) + filtered,
                 "shapes_total": len(self.shapes) + (len(self.filtered) if self.mode != "off" else 0),
-                "all_shapes_ready": self.all_ready, "compile_path": self.path}
+                "all_shapes_ready": self.all_ready, "compile_path": self.path,
+                "programs_run_once": len(self.runner.first_ran)}
 
     # ---- the background thread -------------------------------------------------------------------------------------
     def _tasks(self, queue: list[StepShape]) -> list[tuple]:
