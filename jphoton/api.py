@@ -19,6 +19,7 @@ import numpy as np
 
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compile_worker, compiles
+from jphoton.engine import warmup as warmup_lib
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
@@ -309,8 +310,11 @@ class LLM:
     def run_programs_once(self, limit: int | None = None) -> int:
         """Run each compiled step program not yet run in this process once, on padding rows, if the engine is idle
         (else nothing); at most `limit` of them. A program's first execution costs far more than later ones (up to
-        0.4 s for a 1B decode step on an H100): paid here, not by a request. Returns how many ran."""
+        0.4 s for a 1B decode step on an H100): paid here, not by a request. Not on the CPU backend, where a first run
+        costs nothing extra and is real compute (`warmup.FIRST_RUNS_ON_CPU`). Returns how many ran."""
         if jax.process_count() > 1:  # (every process would have to run the same programs at the same time)
+            return 0
+        if jax.default_backend() == "cpu" and not warmup_lib.FIRST_RUNS_ON_CPU:
             return 0
         with self._engine_lock:
             if self.has_unfinished_requests() or self.engine.has_work():

@@ -149,7 +149,7 @@ class EngineLoop:
                 self.programs_left = bool(ran) or not llm.warmup.all_ready
                 if ran:
                     timeout = 0
-                elif not self.programs_left:
+                elif not self.programs_left and llm.stats()["programs_run_once"]:
                     log.info("every program has run once (%d)", llm.stats()["programs_run_once"])
             if timeout == 0 or self.n == 1:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
                 ready = [i for i in sorted(self.open) if self.commands[i].poll(timeout)]

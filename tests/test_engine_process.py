@@ -254,3 +254,47 @@ def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
     status = health.Check(health_pb2.HealthCheckRequest(service="jphoton.v1.Engine"), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
+
+
+def test_the_idle_engine_loop_runs_each_program_once(monkeypatch):
+    """The engine process's loop, idle, runs each compiled program once (LLM.run_programs_once, one per pass) as the
+    background warm-up makes them ready, then serves token-exact; it never does while a request runs."""
+    import multiprocessing as mp
+    import pickle
+    import threading
+
+    from jphoton.engine import warmup
+    from server.engine_loop import EngineLoop
+
+    from conftest import FIXTURES, make_llm, tiny_reference
+
+    monkeypatch.setattr(warmup, "FIRST_RUNS_ON_CPU", True)
+    ref = tiny_reference("llama3")
+    llm = make_llm(str(FIXTURES / "tiny" / "llama3"), warmup="background")
+    first = llm.stats()["programs_run_once"]
+    assert first >= 2  # LLM() ran the first shapes
+    cmd_recv, cmd_send = mp.Pipe(duplex=False)
+    ev_recv, ev_send = mp.Pipe(duplex=False)
+    loop = threading.Thread(target=EngineLoop(llm, [(cmd_recv, ev_send)]).run)
+    loop.start()
+    try:
+        assert llm.warmup.wait(timeout=600)  # every shape compiled; the runs are the loop's
+        deadline = time.monotonic() + 60
+        while llm.stats()["programs_run_once"] < len(llm.warmup.ready_programs()):
+            assert time.monotonic() < deadline, llm.stats()
+            time.sleep(0.05)
+        greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
+        for i, (p, _, _) in enumerate(ref):
+            cmd_send.send_bytes(pickle.dumps(("add", i, {"prompt_token_ids": p.tolist()}, greedy, None)))
+        got, done = {i: [] for i in range(len(ref))}, 0
+        while done < len(ref):
+            for e in pickle.loads(ev_recv.recv_bytes()):
+                if e[0] == "out":
+                    got[e[1]] += e[2]
+                    done += e[4] is not None
+        assert [got[i] for i in range(len(ref))] == [t.tolist() for _, t, _ in ref]
+    finally:
+        cmd_send.send_bytes(pickle.dumps(("shutdown",)))
+        loop.join(timeout=60)
+    assert not loop.is_alive()
+    assert llm.engine.runner.first_ran == set(llm.warmup.ready_programs())

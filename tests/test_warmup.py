@@ -110,6 +110,7 @@ def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypa
     """warmup="background": LLM() returns after the first two shapes; requests are served (token-exact) while the
     rest compile; all_shapes_ready turns True; then a random mix of prompt lengths, counts, sampling options,
     logprobs, stops and constraints compiles nothing."""
+    monkeypatch.setattr(warmup, "FIRST_RUNS_ON_CPU", True)
     ref = tiny_reference("llama3")
     llm = make_llm(LLAMA, warmup="background")
     greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
@@ -134,10 +135,12 @@ def test_background_warmup_serves_while_compiling_then_compiles_nothing(monkeypa
     _random_mix(llm, random.Random(7), constraints=False)  # the tiny model's vocabulary is smaller than its tokenizer's
 
 
-def test_programs_run_once_in_any_order_leave_the_engine_serving():
+def test_programs_run_once_in_any_order_leave_the_engine_serving(monkeypatch):
     """warmup="full": LLM() runs every program once (padding rows, the trash page); steps and samplers run in any
     order after that leave the slots as serving expects (a step never donates the tokens it carries from), the pool
-    whole, and greedy tokens exact."""
+    whole, and greedy tokens exact. On the CPU backend nothing runs by default."""
+    assert make_llm(LLAMA, warmup="full").stats()["programs_run_once"] == 0
+    monkeypatch.setattr(warmup, "FIRST_RUNS_ON_CPU", True)
     ref = tiny_reference("llama3")
     llm = make_llm(LLAMA, warmup="full")
     runner = llm.engine.runner

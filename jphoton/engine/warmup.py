@@ -42,6 +42,9 @@ MODES = WARMUP
 FIRST_PREFILL_TOKENS = 128  # the first tier's prefill bucket: the largest one-row bucket up to this many tokens
 FIRST_CONTEXT_TOKENS = 512  # ... over the smallest context bucket of at least this many tokens
 YIELD_EVERY_S = 0.0002  # the tracing thread hands the GIL over at least this often (`polite_profile`)
+# LLM.run_programs_once on the CPU backend too (tests): there a program's first run costs nothing extra, and it is real
+# compute (an interpret-mode Pallas step: seconds), so by default it is skipped
+FIRST_RUNS_ON_CPU = False
 
 
 def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShape]:
