@@ -139,7 +139,6 @@ def test_programs_run_once_in_any_order_leave_the_engine_serving(monkeypatch):
     """warmup="full": LLM() runs every program once (padding rows, the trash page); steps and samplers run in any
     order after that leave the slots as serving expects (a step never donates the tokens it carries from), the pool
     whole, and greedy tokens exact. On the CPU backend nothing runs by default."""
-    assert make_llm(LLAMA, warmup="full").stats()["programs_run_once"] == 0
     monkeypatch.setattr(warmup, "FIRST_RUNS_ON_CPU", True)
     ref = tiny_reference("llama3")
     llm = make_llm(LLAMA, warmup="full")
@@ -158,6 +157,9 @@ def test_programs_run_once_in_any_order_leave_the_engine_serving(monkeypatch):
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
     s = llm.stats()
     assert s["kv_pages_free"] + s["kv_pages_evictable"] == s["kv_pages_total"]
+    runner.first_ran.clear()
+    monkeypatch.setattr(warmup, "FIRST_RUNS_ON_CPU", False)
+    assert llm.run_programs_once() == 0 and llm.stats()["programs_run_once"] == 0
 
 
 @pytest.fixture
