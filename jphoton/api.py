@@ -29,7 +29,7 @@ from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.models.tensor_parallel import make_mesh
-from jphoton.params import Completion, SamplingParams, short, text_size_error
+from jphoton.params import Completion, SamplingParams, check_limits, short, text_bytes, text_size_error, utf8_len
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.peft import load_peft_adapter
@@ -185,10 +185,10 @@ class LLM:
             raise ValueError(f"a chat message is a dict with a string 'content', got {short(bad[0])}")
         if not messages[-1]["content"].strip():
             raise ValueError("empty prompt: the last chat message is blank")
-        self._check_prompt_size(sum(_text_bytes(m["content"]) for m in messages))
+        self._check_prompt_size(sum(text_bytes(m["content"]) for m in messages))
         tok = self._require_tokenizer()
         text = tok.apply_chat_template(messages)
-        self._check_prompt_size(_utf8_len(text), rendered=True)
+        self._check_prompt_size(utf8_len(text), rendered=True)
         return tok.encode(text, add_special_tokens=False)  # the template writes BOS itself where the model wants it
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
@@ -445,7 +445,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("empty prompt" if not prompt else "empty prompt (only whitespace)")
-            self._check_prompt_size(_text_bytes(prompt))
+            self._check_prompt_size(text_bytes(prompt))
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt_token_ids"}
@@ -547,43 +547,6 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         # A resized random model may keep its preset's EOS ids past the vocabulary: they can never be sampled.
         return tuple(sorted(i for i in ids if 0 <= i < self.config.vocab_size))
-
-
-def check_limits(p: SamplingParams, limits) -> None:
-    """A request's stop strings and constraint against the engine's Limits (engine/config.py): ValueError naming the
-    limit. Cheap: runs before the constraint is compiled."""
-    if len(p.stop) > limits.max_stop_strings:
-        raise ValueError(f"{len(p.stop)} stop strings; this engine accepts at most {limits.max_stop_strings} "
-                         "(max_stop_strings)")
-    longest = max((_utf8_len(t) for t in p.stop), default=0)
-    if longest > limits.max_stop_bytes:
-        raise ValueError(f"a stop string of {longest} bytes; this engine accepts at most {limits.max_stop_bytes} "
-                         "(max_stop_bytes)")
-    spec = p.constraint
-    if spec is None:
-        return
-    kind, value = spec
-    if kind == "choice" and len(value) > limits.max_choices:
-        raise ValueError(f"choice has {len(value)} options; this engine accepts at most {limits.max_choices} "
-                         "(max_choices)")
-    size = sum(map(_utf8_len, value)) if kind == "choice" else _utf8_len(value)
-    if size > limits.max_constraint_bytes:
-        raise ValueError(f"{kind} is {size} bytes; this engine accepts at most {limits.max_constraint_bytes} "
-                         "(max_constraint_bytes)")
-
-
-def _text_bytes(text: str) -> int:
-    """UTF-8 length of a prompt; ValueError for text that is not valid Unicode (lone surrogates: what Python makes of
-    undecodable bytes in argv or a file read with errors="surrogateescape")."""
-    try:
-        return len(text) if text.isascii() else len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ValueError("prompt is not valid UTF-8 text (it holds undecodable bytes)") from None
-
-
-def _utf8_len(text: str) -> int:
-    """UTF-8 length of `text` without encoding it when that is not needed (ASCII-only text: its length)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _load_tokenizer(path, vocab_size: int):

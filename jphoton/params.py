@@ -147,6 +147,43 @@ def text_size_error(num_bytes: int, max_prompt_bytes: int, bytes_per_token: int,
     return None
 
 
+def check_limits(p: SamplingParams, limits) -> None:
+    """A request's stop strings and constraint against the engine's Limits (engine/config.py): ValueError naming the
+    limit. Cheap: runs before the constraint is compiled."""
+    if len(p.stop) > limits.max_stop_strings:
+        raise ValueError(f"{len(p.stop)} stop strings; this engine accepts at most {limits.max_stop_strings} "
+                         "(max_stop_strings)")
+    longest = max((utf8_len(t) for t in p.stop), default=0)
+    if longest > limits.max_stop_bytes:
+        raise ValueError(f"a stop string of {longest} bytes; this engine accepts at most {limits.max_stop_bytes} "
+                         "(max_stop_bytes)")
+    spec = p.constraint
+    if spec is None:
+        return
+    kind, value = spec
+    if kind == "choice" and len(value) > limits.max_choices:
+        raise ValueError(f"choice has {len(value)} options; this engine accepts at most {limits.max_choices} "
+                         "(max_choices)")
+    size = sum(map(utf8_len, value)) if kind == "choice" else utf8_len(value)
+    if size > limits.max_constraint_bytes:
+        raise ValueError(f"{kind} is {size} bytes; this engine accepts at most {limits.max_constraint_bytes} "
+                         "(max_constraint_bytes)")
+
+
+def text_bytes(text: str) -> int:
+    """UTF-8 length of a prompt; ValueError for text that is not valid Unicode (lone surrogates: what Python makes of
+    undecodable bytes in argv or a file read with errors="surrogateescape")."""
+    try:
+        return len(text) if text.isascii() else len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("prompt is not valid UTF-8 text (it holds undecodable bytes)") from None
+
+
+def utf8_len(text: str) -> int:
+    """UTF-8 length of `text` without encoding it when that is not needed (ASCII-only text: its length)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def short(value: Any, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: an error message never echoes a whole (possibly huge) input, which over
     gRPC would not even fit the client's header limit."""

@@ -328,7 +328,7 @@ def test_llm_freezes_its_start_up_objects_out_of_the_gc(freeze):
 
 @pytest.mark.parametrize("num_rows", [3, 40])  # the per-row loop and the masked assignment
 def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
-    from jphoton.engine.runner import _fill_ragged
+    from jphoton.engine.packing import _fill_ragged
 
     rng = np.random.default_rng(num_rows)
     tables = [rng.integers(0, 1000, rng.integers(0, 12)).tolist() for _ in range(num_rows)]
@@ -341,10 +341,11 @@ def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
 
 
 def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
-    """A decode step with the previous pack's rows starts from that buffer (Runner._pack_steady): byte-equal to packing
+    """A decode step with the previous pack's rows starts from that buffer (StepPacker._pack_steady): byte-equal to packing
     from scratch, through page boundaries, finishes and a new arrival, and the tokens still match the reference."""
     runner = embedded_llm.engine.runner
-    pack, full = runner.pack, runner._pack_full
+    packer = runner.packer
+    pack, full = packer.pack, packer._pack_full
     checked = []
 
     def both(plan):
@@ -354,9 +355,9 @@ def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
         return inp
 
     monkeypatch.setattr(runner, "pack", both)
-    before = runner.steady_packs
+    before = packer.steady_packs
     lengths = (32, 32, 32, 9, 32, 20)
     outs = embedded_llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in lengths])
     for out, (_, ref), n in zip(outs, hf, lengths, strict=True):
         assert out.token_ids == ref[:n]
-    assert runner.steady_packs - before > 10 and len(checked) > runner.steady_packs - before
+    assert packer.steady_packs - before > 10 and len(checked) > packer.steady_packs - before

@@ -1,0 +1,120 @@
+"""Packing a planned step into its one host input (plain numpy on the host; the runner transfers it). Every step's input is one
+int32 buffer of the largest layout's length, whatever its shape (engine/step.py `StepLayout`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from jphoton.engine.scheduler import StepPlan, StepShape
+from jphoton.engine.slots import StepInput
+from jphoton.engine.step import StepLayout, StepStatic
+from jphoton.sampling import seed_key_data
+
+
+class StepPacker:
+    def __init__(self, static: StepStatic, packed_size: int, lora_enabled: bool):
+        self.static, self.packed_size, self.lora_enabled = static, packed_size, lora_enabled
+        self._layouts: dict[StepShape, StepLayout] = {}
+        self._steady: _SteadyPack | None = None  # the last decode-only pack (`pack`)
+        self.steady_packs = 0  # packs that started from the previous one (telemetry; tests check it)
+
+    def layout(self, shape: StepShape) -> StepLayout:
+        if shape not in self._layouts:
+            self._layouts[shape] = StepLayout(shape, self.static, self.packed_size)
+        return self._layouts[shape]
+
+    def pack(self, plan: StepPlan) -> StepInput:
+        """The step's one packed host input. A decode-only step whose rows are the previous pack's sequences, in the
+        same order, starts from a copy of that buffer (`_SteadyPack`): only the per-step columns and the pages added
+        since are written, which halves the host's packing at 64 rows (the block tables are most of the buffer)."""
+        prev, self._steady = self._steady, None
+        d = plan.decode
+        if d and not plan.prefill:
+            if (prev is not None and prev.shape == plan.shape and len(prev.seqs) == len(d)
+                    and all(r.seq is s for r, s in zip(d, prev.seqs, strict=True))):
+                return self._pack_steady(plan, prev)
+            inp = self._pack_full(plan)
+            self._steady = _SteadyPack(plan.shape, [r.seq for r in d], [r.seq.block_table for r in d],
+                                       [len(r.seq.block_table) for r in d], inp.packed)
+            return inp
+        return self._pack_full(plan)
+
+    def _pack_steady(self, plan: StepPlan, prev: _SteadyPack) -> StepInput:
+        self.steady_packs += 1
+        v = self.layout(plan.shape).views(prev.buffer.copy())  # (the previous buffer may still be in flight)
+        d = plan.decode
+        n = len(d)
+        v["d_tokens"][:n] = [row.tokens[0] if row.tokens else 0 for row in d]
+        v["d_carry"][:n] = [row.carry_from for row in d]
+        v["d_pos"][:n] = [row.start for row in d]
+        v["sample_index"][[row.out_row for row in d]] = [row.sample_index for row in d]
+        table = v["d_table"]
+        for i, row in enumerate(d):  # tables only grow in place (a new list object means a new table)
+            t = row.seq.block_table
+            if t is not prev.tables[i]:
+                table[i] = self.static.trash_page
+                table[i, :len(t)] = t
+                prev.tables[i] = t
+            elif len(t) != prev.lengths[i]:
+                table[i, prev.lengths[i]:len(t)] = t[prev.lengths[i]:]
+            prev.lengths[i] = len(t)
+        prev.buffer = v["_buffer"]
+        self._steady = prev
+        return StepInput(plan.shape, prev.buffer)
+
+    def _pack_full(self, plan: StepPlan) -> StepInput:
+        shape = plan.shape
+        v = self.layout(shape).empty(self.static.trash_page)
+        # Column-wise fills (one numpy call per field, not per row): packing is on the host's critical path.
+        if d := plan.decode:
+            n = len(d)
+            v["d_tokens"][:n] = [row.tokens[0] if row.tokens else 0 for row in d]
+            v["d_carry"][:n] = [row.carry_from for row in d]
+            v["d_pos"][:n] = [row.start for row in d]
+            _fill_ragged(v["d_table"], [row.seq.block_table for row in d])
+            if self.lora_enabled:
+                v["d_lora"][:n] = [row.seq.lora_slot for row in d]
+        for j, row in enumerate(plan.prefill):
+            v["p_lora"][j] = row.seq.lora_slot
+            v["p_tokens"][j, :row.num_tokens] = row.tokens
+            v["p_start"][j] = row.start
+            v["p_len"][j] = row.num_tokens
+            table = row.seq.block_table
+            v["p_table"][j, :len(table)] = table
+        rows = plan.rows
+        out = [row.out_row for row in rows]
+        v["temperature"].view(np.float32)[out] = [row.seq.params.temperature for row in rows]
+        v["key"][out] = seed_key_data(np.array([row.seq.seed for row in rows], np.uint64)).view(np.int32)
+        v["sample_index"][out] = [row.sample_index for row in rows]
+        v["top_k"][out] = [row.seq.params.top_k for row in rows]
+        v["top_p"].view(np.float32)[out] = [row.seq.params.top_p for row in rows]
+        return StepInput(shape, v["_buffer"])
+
+
+@dataclasses.dataclass
+class _SteadyPack:
+    """The last decode-only pack, for the next one to start from: its sequences (rows in order), each one's block table
+    object and how many of its pages were packed, and the buffer."""
+
+    shape: StepShape
+    seqs: list
+    tables: list[list[int]]
+    lengths: list[int]
+    buffer: np.ndarray
+
+
+def _fill_ragged(out: np.ndarray, rows: list[list[int]]) -> None:
+    """out[i, :len(rows[i])] = rows[i] for every i, as one masked assignment: a numpy assignment per row cost ~1.3 us
+    each, most of the ~190 us that packing 128 decode rows took on the CPU here (benchmarks/host_overhead.py)."""
+    if len(rows) <= 8:  # the masked assignment's fixed cost (~10 us of numpy calls) is more than a few rows' loop
+        for i, row in enumerate(rows):
+            out[i, :len(row)] = row
+        return
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    total = int(lengths.sum())
+    if total:
+        filled = np.arange(out.shape[1])[None, :] < lengths[:, None]  # row-major, like the flattened tables
+        out[:len(rows)][filled] = np.fromiter(itertools.chain.from_iterable(rows), np.int32, total)
