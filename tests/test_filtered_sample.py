@@ -80,9 +80,11 @@ def test_mixed_rows_greedy_and_filters_in_one_batch():
     assert got[1] == int(sample_plain(logits, temp, kd, idx)[1])
 
 
-@pytest.mark.parametrize("kind", ["normal", "peaked", "masked"])
-def test_pallas_kernel_equals_the_xla_loops(kind):
-    """Interpret mode, a vocabulary that is not a whole number of blocks (the last block overlaps)."""
+@pytest.mark.parametrize("kind,unroll", [("normal", None), ("peaked", None), ("masked", None), ("normal", 1),
+                                         ("masked", 3)])
+def test_pallas_kernel_equals_the_xla_loops(kind, unroll):
+    """Interpret mode, a vocabulary that is not a whole number of blocks (the last block overlaps); sweeps that load
+    one block at a time, 2 (the default here: 1000 entries are >= 4 count blocks), or 3 (a last group past the row)."""
     x = _rows(kind, 8, 1000, seed=5)
     scaled = jnp.asarray(x)
     noisy = scaled + _gumbel(scaled, jnp.asarray(np.stack([seed_key_data(i) for i in range(8)])),
@@ -90,7 +92,8 @@ def test_pallas_kernel_equals_the_xla_loops(kind):
     for k, p in [(0, 0.9), (50, 1.0), (3, 0.5), (0, 0.1), (0, 1.0)]:
         kk, pp = jnp.full(8, k, jnp.int32), jnp.full(8, p, jnp.float32)
         want = np.asarray(filtered_sample_xla(scaled, noisy, kk, pp))
-        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, interpret=True))
+        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, unroll=unroll,
+                                         interpret=True))
         assert (got == want).all(), (kind, k, p)
 
 

@@ -1,5 +1,5 @@
 """GPU check of pallas_kernels/filtered_sample.py: the kernel (several programs a row, spin barrier) against the XLA
-loops on the same rows, for each filter setting and row count. `python3 lab/probes/filtered_sample_check.py`"""
+loops on the same rows, for each filter setting and row count. `python3 lab/probes/filtered_sample_check.py [UNROLL...]`"""
 
 import sys
 
@@ -22,9 +22,10 @@ for R in (1, 4, 32):
         for k, p in ((0, 0.9), (50, 1.0), (50, 0.9), (0, 0.3), (1000, 0.5), (0, 1.0)):
             kk, pp = jnp.full(R, k, jnp.int32), jnp.full(R, p, jnp.float32)
             want = np.asarray(jax.jit(filtered_sample_xla)(x, y, kk, pp))
-            got = np.asarray(jax.jit(filtered_sample)(x, y, kk, pp))
-            ok = (got == want).all()
-            bad += not ok
-            print(f"R={R:2d} V={V:6d} k={k:4d} p={p}: programs/row {programs_per_row(R, V)} "
-                  f"{'ok' if ok else 'MISMATCH ' + str(np.flatnonzero(got != want)[:8])}", flush=True)
+            for unroll in [int(u) for u in sys.argv[1:]] or [1]:
+                got = np.asarray(jax.jit(lambda *a, u=unroll: filtered_sample(*a, unroll=u))(x, y, kk, pp))
+                ok = (got == want).all()
+                bad += not ok
+                print(f"R={R:2d} V={V:6d} k={k:4d} p={p} unroll {unroll}: programs/row {programs_per_row(R, V)} "
+                      f"{'ok' if ok else 'MISMATCH ' + str(np.flatnonzero(got != want)[:8])}", flush=True)
 print("mismatches:", bad)

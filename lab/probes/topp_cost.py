@@ -51,7 +51,11 @@ def filt_search(scaled, top_p, n, passes):
     return jnp.where(keys >= t[:, None], scaled, -jnp.inf)
 
 
-def variants(V):
+KERNEL_CONFIGS = ((4096, 1024, 8, 1), (4096, 4096, 8, 1), (4096, 2048, 16, 1), (8192, 4096, 16, 1), (4096, 1024, 8, 3),
+                  (4096, 512, 4, 1))
+
+
+def variants(V, kernel_configs=KERNEL_CONFIGS):
     def plain(lg, temp, key, idx):
         return sampling.sample_plain(lg, temp, key, idx)
 
@@ -77,19 +81,32 @@ def variants(V):
     from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla
     for kind, k, p in (("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_p", 50, 0.9), ("none", 0, 1.0),
                        ("top_p_0.5", 0, 0.5)):
-        for block, cb, warps, stages in ((4096, 1024, 8, 1), (4096, 4096, 8, 1), (4096, 2048, 16, 1),
-                                         (8192, 4096, 16, 1), (4096, 1024, 8, 3), (4096, 512, 4, 1)):
-            def kern(lg, temp, key, idx, k=k, p=p, block=block, cb=cb, warps=warps, stages=stages):
+        for block, cb, warps, stages, *more in kernel_configs:
+            programs = more[0] if more and more[0] else None
+            unroll = more[1] if len(more) > 1 else 1
+
+            def kern(lg, temp, key, idx, k=k, p=p, block=block, cb=cb, warps=warps, stages=stages,
+                     programs=programs, unroll=unroll):
                 R = lg.shape[0]
                 noisy = lg + sampling._gumbel(lg, key, idx)
                 return filtered_sample(lg, noisy, jnp.full(R, k, jnp.int32), jnp.full(R, p), block=block,
-                                       count_block=cb, num_warps=warps, num_stages=stages)
-            out[f"kernel_{kind}_b{block}c{cb}w{warps}s{stages}"] = kern
+                                       count_block=cb, num_warps=warps, num_stages=stages, programs=programs,
+                                       unroll=unroll)
+            tag = (f"p{programs}" if programs else "") + (f"u{unroll}" if unroll > 1 else "")
+            out[f"kernel_{kind}_b{block}c{cb}w{warps}s{stages}{tag}"] = kern
         def xla(lg, temp, key, idx, k=k, p=p):
             R = lg.shape[0]
             noisy = lg + sampling._gumbel(lg, key, idx)
             return filtered_sample_xla(lg, noisy, jnp.full(R, k, jnp.int32), jnp.full(R, p))
         out[f"xla_loop_{kind}"] = xla
+    from pallas_kernels.filtered_sample import prephase
+
+    def prephase_only(lg, temp, key, idx):  # the XLA reductions every filtered step runs before the kernel
+        R = lg.shape[0]
+        noisy = lg + sampling._gumbel(lg, key, idx)
+        m, m_low, (lo, hi, cand, done, target) = prephase(lg, noisy, jnp.full(R, 0.9))
+        return cand + (m > m_low).astype(jnp.int32) + (lo > hi) + done + (target > 0)
+    out["prephase"] = prephase_only
     for k in (16, 64, 256):
         def topk(lg, temp, key, idx, k=k):
             v, i = jax.lax.top_k(lg, k)
@@ -118,15 +135,24 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--out")
+    ap.add_argument("--kernel-configs", nargs="*", default=None,
+                    help="block,count_block,warps,stages[,programs a row (0: default)[,unroll]] of the kernel variants "
+                         "(default: the sweep of 2026-11-26)")
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0], help="logit std (1: flat, random weights)")
     a = ap.parse_args()
     res = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "vocab": a.vocab, "us_per_call": {}}
-    for name, fn in variants(a.vocab).items():
+    configs = (tuple(tuple(map(int, c.split(","))) for c in a.kernel_configs) if a.kernel_configs
+               else KERNEL_CONFIGS)
+    for name, fn in variants(a.vocab, configs).items():
         if a.only and name not in a.only:
             continue
         for scale in a.scales:
             for R in a.rows:
-                us = timed(fn, R, a.vocab, a.iters, scale)
+                try:
+                    us = timed(fn, R, a.vocab, a.iters, scale)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile: say so, go on
+                    print(f"{name:24s} std={scale:4.1f} R={R:3d} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
                 res["us_per_call"][f"{name}/R{R}/std{scale}"] = round(us, 1)
                 print(f"{name:24s} std={scale:4.1f} R={R:3d} {us:9.1f} us", flush=True)
     if a.out:
