@@ -8,10 +8,10 @@ C=${C:-32 64}
 export PYTHONUNBUFFERED=1 JPHOTON_CACHE_DIR=${JPHOTON_CACHE_DIR:-/tmp/jphoton-cache}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 PORT=50071
-PYTHONPATH=$PWD/.ab/base:/tmp/site python3 lab/serve_tree.py --model "$MODEL" --concurrency $C --port $PORT \
+PYTHONPATH=$PWD/.ab/base:/tmp/site python3 lab/serve_tree.py --model "$MODEL" --concurrency $C --port $PORT --baseline \
   > "$OUT/base_server.log" 2>&1 &
 SERVER=$!
 PYTHONPATH=$PWD:/tmp/site python3 benchmarks/serving.py --connect 127.0.0.1:$PORT --model "$MODEL" --concurrency $C \
   --prompt-len 128 --new-tokens 256 --requests-per-client 4 --out "$OUT/serving_base.json"
 kill $SERVER; wait $SERVER
-tail -5 "$OUT/base_server.log"
+grep "baseline:" "$OUT/base_server.log"; tail -5 "$OUT/base_server.log"

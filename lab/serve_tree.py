@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--baseline", action="store_true",
+                    help="first time the engine alone as that tree's serving benchmark did (prints 'baseline: {...}')")
     args = ap.parse_args()
     from jphoton import LLM  # the tree on PYTHONPATH
     from server.app import run_until_signal
@@ -34,7 +36,17 @@ def main() -> None:
     kwargs = dict(max_model_len=max_len, max_num_seqs=rows, decode_buckets=tuple(sorted(set(args.concurrency))),
                   prefill_buckets=((1, chunk), (4, chunk)), max_num_batched_tokens=rows + 4 * chunk,
                   num_kv_pages=(rows + 8) * (max_len // page), pipeline_depth=2, page_size=page, progress=False)
-    asyncio.run(run_until_signal(lambda: LLM(args.model, **kwargs), port=args.port, max_queue=4096, grace=5))
+
+    def build():
+        llm = LLM(args.model, **kwargs)
+        if args.baseline:
+            from benchmarks.serving import engine_baseline  # that tree's: LLM.generate of a static batch of C
+
+            engine_baseline(llm, {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
+                                  "new_tokens": args.new_tokens})
+        return llm
+
+    asyncio.run(run_until_signal(build, port=args.port, max_queue=4096, grace=5))
 
 
 if __name__ == "__main__":
