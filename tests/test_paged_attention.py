@@ -199,6 +199,6 @@ def test_engine_pallas_decode_matches_default_path(family, matmul):
     assert llm.engine.runner.static.pallas_decode and llm.engine.scheduler.config.pallas_decode
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
-    shapes = set(llm.engine.runner._layouts)
+    shapes = set(llm.engine.runner.packer._layouts)
     assert any(s.decode_rows and not s.prefill_rows and s.ctx_pages == 0 for s in shapes)
     assert all(s.ctx_pages for s in shapes if s.prefill_rows)
