@@ -212,6 +212,7 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
             return jnp.where(keep, plgpu.load(ref.at[r, pl.ds(start, n)]), fill), idx
         idx = b * n + jnp.arange(n, dtype=jnp.int32)
         keep = idx < V if end is None else (idx < V) & (b < end)
+        # (a block past the row, unrolled sweeps' last group: the address stays in the row, every lane masked)
         return plgpu.load(ref.at[r, pl.ds(jnp.minimum(b, -(-V // n) - 1) * n, n)] if end is not None
                           else ref.at[r, pl.ds(b * n, n)], mask=keep, other=fill), idx
 
