@@ -573,9 +573,10 @@ def _describe(cfg: EngineConfig, kv_bytes: int) -> str:
 
     k, b = cfg.kernels, cfg.buckets
     if k.attention == "pallas":
-        from pallas_kernels.paged_decode_attention import path_name
+        from pallas_kernels import paged_decode_attention, paged_prefill_attention
 
-        attention = f"{path_name()} for decode rows, plain-JAX static context buckets for prefill rows"
+        attention = (f"{paged_decode_attention.path_name()} for decode rows, "
+                     f"{paged_prefill_attention.path_name()} for prefill rows")
     else:
         attention = {"static": "plain-JAX static context buckets", "dynamic": "plain-JAX dynamic loop"}[k.attention]
     mm = matmul.resolve(k.matmul) if isinstance(k.matmul, str) else type(k.matmul).__name__

@@ -114,8 +114,12 @@ def test_auto_resolves_per_device():
     shapes = gpu.resolve_shapes(model_limit=131072, min_decode_rows=2)
     assert shapes.max_model_len == 8192  # the default cap, below the model's limit
     assert shapes.buckets.decode == (2, 4, 8, 16, 32, 64)  # one-row steps rounded up to the matmuls' two
-    assert shapes.buckets.context[-1] * shapes.page_size >= 8192
-    assert cpu.resolve_shapes(model_limit=2048).buckets.context == ()  # the dynamic loop needs no context bucket
+    assert shapes.buckets.context == ()  # the Pallas kernels follow each row's length: no context bucket
+    assert cpu.resolve_shapes(model_limit=2048).buckets.context == ()  # nor does the dynamic loop
+    static = EngineConfig(kernels=Kernels(attention="static")).resolve_kernels("gpu").resolve_shapes(131072)
+    assert static.buckets.context[-1] * static.page_size >= 8192
+    with pytest.raises(ValueError, match="context_buckets apply to attention='static'"):
+        EngineConfig.from_kwargs(context_buckets=(4, 16)).resolve_kernels("gpu").resolve_shapes(131072)
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=4096).resolve_kernels("cpu").resolve_shapes(model_limit=2048)
 

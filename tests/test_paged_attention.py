@@ -185,20 +185,37 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("matmul", [None, "fused"])
 @pytest.mark.parametrize("family", ["mistral"])  # GQA 2, sliding window 16 (crossed by the prompts below)
 def test_engine_pallas_decode_matches_default_path(family, matmul):
-    """attention="pallas" end to end on the CPU (interpret mode): decode rows through the kernel, decode-only steps
-    without a context bucket; greedy tokens equal the default (dynamic) path's. matmul "fused" (the GPU default, its
-    GEMVs in interpret mode) with unrolled layers: the kernel beside the matmul kernels, layer index a Python int."""
+    """attention="pallas" end to end on the CPU (interpret mode): decode rows through the decode kernel, prefill rows
+    through the prefill kernel, no step with a context bucket; greedy tokens equal the default (dynamic) path's.
+    matmul "fused" (the GPU default, its GEMVs in interpret mode) with unrolled layers: the kernels beside the matmul
+    kernels, layer index a Python int."""
     from conftest import tiny_reference
 
     ref = tiny_reference(family)
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in ref]
     params = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)
     extra = {"matmul": matmul, "unroll_layers": True} if matmul else {}
-    llm = make_llm(str(FIXTURES / "tiny" / family), warmup=False, attention="pallas", context_buckets=(2, 4, 16),
-                   **extra)
-    assert llm.engine.runner.static.pallas_decode and llm.engine.scheduler.config.pallas_decode
+    llm = make_llm(str(FIXTURES / "tiny" / family), warmup=False, attention="pallas", **extra)
+    assert llm.engine.runner.static.pallas_attention and not llm.engine.scheduler.config.context_buckets
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
     shapes = set(llm.engine.runner.packer._layouts)
     assert any(s.decode_rows and not s.prefill_rows and s.ctx_pages == 0 for s in shapes)
-    assert all(s.ctx_pages for s in shapes if s.prefill_rows)
+    assert any(s.prefill_rows for s in shapes) and not any(s.ctx_pages for s in shapes)
+
+
+def test_engine_pallas_prefill_chunks_and_cached_prefix():
+    """Prefill rows through the kernel where they start past 0: a 70-token prompt in 16- and 32-token chunks (each
+    chunk attends to the earlier ones' pages), then a prompt whose first 48 tokens come from the prefix cache, with
+    Mistral's sliding window (16) crossed; greedy tokens equal the dynamic loop's, step by step the same plan."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(1, 200, 70).tolist()
+    b = a[:48] + rng.integers(1, 200, 21).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = {}
+    for attention in ("pallas", "dynamic"):
+        llm = make_llm(str(FIXTURES / "tiny" / "mistral"), warmup=False, attention=attention,
+                       prefill_buckets=((1, 16), (2, 32)), max_num_batched_tokens=64)
+        runs[attention] = [llm.generate([{"prompt_token_ids": p}], params)[0].token_ids for p in (a, b)]
+        assert llm.stats()["prefix_hit_tokens"] >= 48
+    assert runs["pallas"] == runs["dynamic"]

@@ -14,7 +14,7 @@ import pytest
 
 from jphoton import SamplingParams
 from jphoton.engine import compiles, warmup
-from jphoton.engine.config import EngineConfig
+from jphoton.engine.config import EngineConfig, Kernels
 from jphoton.engine.scheduler import SchedulerConfig, StepShape
 from jphoton.engine.warmup import Warmup, background_order, first_shapes
 
@@ -42,14 +42,14 @@ def _record_shapes(llm) -> list[StepShape]:
 
 def test_default_shape_count_is_decode_buckets_plus_two_per_prefill_bucket():
     """The GPU defaults: 6 decode buckets (2..64) + prefill steps with no decode part or the full 64 rows, for 4
-    prefill buckets x 4 context buckets (8, 32, 128, 512 pages: issue 23 added 8, a 128-token chunk's own size) = 38
-    shapes (90 before issue 22: every decode bucket in every mixed step)."""
+    prefill buckets = 14 shapes, no context bucket (the Pallas kernels follow each row's length; 38 with 4 context
+    buckets for prefill rows before, 90 before issue 22: every decode bucket in every mixed step)."""
     cfg = EngineConfig().resolve_kernels("gpu").resolve_shapes(8192, min_decode_rows=2).scheduler_config()
-    assert cfg.context_buckets == (8, 32, 128, 512)
+    assert cfg.context_buckets == ()
     shapes = cfg.all_shapes()
-    assert len(shapes) == len(set(shapes)) == 6 + 2 * 4 * 4
+    assert len(shapes) == len(set(shapes)) == 6 + 2 * 4
     assert {s.decode_rows for s in shapes if s.prefill_rows} == {0, 64}
-    assert all(s.ctx_pages == 0 for s in shapes if not s.prefill_rows)  # Pallas decode: no context bucket
+    assert all(s.ctx_pages == 0 for s in shapes)
     static = SchedulerConfig(decode_buckets=(2, 8), prefill_buckets=((1, 32),), context_buckets=(4, 16))
     assert len(static.all_shapes()) == 2 * 2 + 2 * 2  # static attention: decode steps take a context bucket too
 
@@ -62,12 +62,21 @@ def test_first_shapes_serve_a_first_request_and_the_rest_come_in_a_useful_order(
 
     shapes = cfg.all_shapes()
     first = first_shapes(shapes, Sched)
-    assert first == [StepShape(0, 1, 128, 32), StepShape(2, 0, 0, 0)]
+    assert first == [StepShape(0, 1, 128, 0), StepShape(2, 0, 0, 0)]
     rest = background_order(shapes, first, Sched)
     assert sorted(rest + first, key=str) == sorted(shapes, key=str)
-    # the smaller context (a short first chunk, issue 23), then longer prompts
+    assert [s.decode_rows for s in rest[:5]] == [4, 8, 16, 32, 64]  # more requests at once
+    assert rest[5] == StepShape(64, 1, 128, 0)  # then a newcomer's prefill beside them
+
+    # static attention (context buckets): the first prefill over 512 tokens, then the smaller context (a short first
+    # chunk, issue 23), then longer prompts
+    Sched.config = EngineConfig(kernels=Kernels(attention="static")).resolve_kernels("gpu").resolve_shapes(
+        8192, min_decode_rows=2).scheduler_config()
+    shapes = Sched.config.all_shapes()
+    first = first_shapes(shapes, Sched)
+    assert first == [StepShape(0, 1, 128, 32), StepShape(2, 0, 0, 512)]
+    rest = background_order(shapes, first, Sched)
     assert rest[:3] == [StepShape(0, 1, 128, 8), StepShape(0, 1, 128, 128), StepShape(0, 1, 128, 512)]
-    assert [s.decode_rows for s in rest[3:8]] == [4, 8, 16, 32, 64]  # then more requests at once
 
 
 @pytest.mark.parametrize("attention", ["dynamic", "static"])

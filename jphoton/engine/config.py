@@ -21,7 +21,7 @@ class Buckets:
 
     decode: tuple[int, ...] | None = None  # rows of a decode-only step; None: 1, 2, 4, ... max_num_seqs
     prefill: tuple[tuple[int, int], ...] | None = None  # (rows, tokens per row) of a step's prefill part
-    context: tuple[int, ...] | None = None  # pages a prefill row attends over (static/pallas attention)
+    context: tuple[int, ...] | None = None  # pages every row attends over (attention="static" only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +161,9 @@ class EngineConfig:
         """The "auto" kernels and the layer loop for `backend` ("cpu", "gpu", ...)."""
         accelerator = backend != "cpu"
         k = self.kernels
-        # GPU: decode rows through the Pallas kernel (1.4-3.2x the static gather on the H100), prefill rows over static
-        # context buckets (an XLA data-dependent loop would sync the host every iteration). CPU: the plain-JAX loop
-        # (the kernel would run in interpret mode: correct, slow).
+        # GPU: decode and prefill rows through the Pallas kernels (decode 1.4-3.2x the static gather on the H100; an XLA
+        # data-dependent loop would sync the host every iteration), no context buckets. CPU: the plain-JAX loop (the
+        # kernels would run in interpret mode: correct, slow).
         attention = k.attention if k.attention != "auto" else ("pallas" if accelerator else "dynamic")
         unroll = k.unroll_layers if k.unroll_layers is not None else accelerator
         return dataclasses.replace(self, kernels=dataclasses.replace(k, attention=attention, unroll_layers=unroll))
@@ -179,14 +179,16 @@ class EngineConfig:
         decode = tuple(sorted({max(d, min_decode_rows) for d in decode}))  # one-row steps would pad every matmul
         prefill = tuple(b.prefill or _default_prefill(self.max_num_batched_tokens))
         pages_per_seq = -(-max_len // self.page_size)
-        if self.kernels.attention in ("static", "pallas"):  # "pallas": the context buckets serve prefill rows only
+        if self.kernels.attention == "static":  # every row attends over its step's context bucket
             # From 128 tokens up, at most 4x waste: a newcomer's first chunk (a 128-token prompt) attends over 8 pages,
-            # not 32. A mixed step (32 decode rows + that chunk) took 0.60 ms less on the H100 (2.10 vs 2.69 ms,
-            # lab/results/issue23_mixed_shapes_2026-11-26_h100.json): staggered arrivals make one step in eight mixed.
+            # not 32 (the "pallas" default needs no bucket: its kernels follow each row's own length)
             context = tuple(b.context or _geometric(-(-FIRST_CONTEXT_TOKENS // self.page_size), 4, pages_per_seq))
             if context[-1] < pages_per_seq:
                 raise ValueError(f"the largest context bucket ({context[-1]} pages) must cover max_model_len "
                                  f"({pages_per_seq} pages of {self.page_size})")
+        elif b.context:
+            raise ValueError(f"context_buckets apply to attention='static' only (this engine's attention is "
+                             f"{self.kernels.attention!r}: its attention follows each row's own length)")
         else:
             context = ()
         return dataclasses.replace(self, max_model_len=max_len, buckets=Buckets(decode, prefill, context))
@@ -196,7 +198,7 @@ class EngineConfig:
         b = self.buckets
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                decode_buckets=b.decode, prefill_buckets=b.prefill, context_buckets=b.context,
-                               pallas_decode=self.kernels.attention == "pallas", page_size=self.page_size)
+                               page_size=self.page_size)
 
 
 def _geometric(start: int, factor: int, last: int) -> tuple[int, ...]:

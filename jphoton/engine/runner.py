@@ -72,7 +72,7 @@ class Runner:
                              "(dense Llama-family models do; a JaxModel's forward must take lora=)")
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
                                  trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
-                                 pallas_decode=self.sched.pallas_decode, lora_slots=config.max_loras,
+                                 pallas_attention=config.kernels.attention == "pallas", lora_slots=config.max_loras,
                                  lora_rank=config.max_lora_rank if self.lora_enabled else 0)
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
@@ -499,7 +499,7 @@ class Runner:
         if pages > self.static.pages_per_seq:
             raise ValueError(f"context {context} exceeds max_model_len ({self.static.pages_per_seq * ps} tokens)")
         ctx = 0
-        if self.sched.context_buckets and not self.sched.pallas_decode:  # static attention: a context bucket
+        if self.sched.context_buckets:  # static attention: a context bucket
             ctx = next(c for c in self.sched.context_buckets if c >= max(pages, 1))
         shape = StepShape(bucket, 0, 0, ctx)
         views = self.layout(shape).empty(self.static.trash_page)

@@ -38,10 +38,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # valid tokens per step (decode rows + prefill chunk tokens)
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[tuple[int, int], ...] = ((1, 32), (1, 128), (4, 128), (1, 512))  # (rows, tokens per row)
-    context_buckets: tuple[int, ...] = ()  # pages attended per row (static attention); () = dynamic attention loop
-    # Decode rows attend through the Pallas kernel (pallas_kernels/paged_decode_attention.py), whose loop follows each
-    # row's own length: only prefill rows need a context bucket, and a decode-only step has none.
-    pallas_decode: bool = False
+    # pages attended per row (static attention); () = attention that follows each row's length (Pallas kernels or
+    # the plain-JAX dynamic loop)
+    context_buckets: tuple[int, ...] = ()
     page_size: int = 16  # tokens per KV page (context buckets count pages)
 
     def __post_init__(self):
@@ -69,8 +68,7 @@ class SchedulerConfig:
         """Every step shape the scheduler can plan: decode-only steps (one per decode bucket; with static attention
         one per context bucket too) and prefill steps with no decode part or the full one (`mixed_decode_rows`)."""
         contexts = self.context_buckets or (0,)
-        decode_ctx = (0,) if self.pallas_decode else contexts
-        return ([StepShape(d, 0, 0, c) for c in decode_ctx for d in self.decode_buckets]
+        return ([StepShape(d, 0, 0, c) for c in contexts for d in self.decode_buckets]
                 + [StepShape(d, r, t, c) for c in contexts for d in (0, self.mixed_decode_rows)
                    for r, t in self.prefill_buckets])
 
@@ -192,7 +190,7 @@ class Scheduler:
 
     def _static_decode(self) -> bool:
         """Decode rows need a context bucket (static attention); with the Pallas kernel or the dynamic loop none."""
-        return bool(self.config.context_buckets) and not self.config.pallas_decode
+        return bool(self.config.context_buckets)
 
     def _decode_shape(self, decode: list[Row]) -> StepShape:
         for c in self._ctx_pages(decode if self._static_decode() else []):

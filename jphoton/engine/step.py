@@ -33,7 +33,8 @@ class StepStatic:
     trash_page: int
     max_rows: int  # length of the output buffers
     sliding_window: int | None
-    pallas_decode: bool = False  # decode rows through pallas_kernels/paged_decode_attention.py
+    # decode rows through pallas_kernels/paged_decode_attention.py, prefill rows through paged_prefill_attention.py
+    pallas_attention: bool = False
     lora_slots: int = 0  # LoRA adapter slots (models/lora.py); 0: LoRA off
     lora_rank: int = 0
 
@@ -126,9 +127,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
 
     # Decode rows through the Pallas kernel: its loop follows each row's own length (no context bucket), and it writes
     # the rows' new keys/values into the pool itself, so only prefill tokens go through a scatter here.
-    kernel_writes = static.pallas_decode and Bd > 0
-    if static.pallas_decode:
+    kernel_writes = static.pallas_attention and Bd > 0
+    if static.pallas_attention:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
+        from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 
     def attend(q, k, v, kv, layer):
         k_pool, v_pool = kv
@@ -149,7 +151,11 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             parts.append(attention(q[:Bd, None], k_pool, v_pool, layer, f["d_table"], d_pos[:, None], d_pos + 1)[:, 0])
         if Bp:
             qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
-            out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])
+            if static.pallas_attention:  # its loop follows each row's own length: no context bucket
+                out = paged_prefill_attention(qp, k_pool, v_pool, layer, f["p_table"], f["p_start"], f["p_len"],
+                                              page_size=ps, sliding_window=static.sliding_window)
+            else:
+                out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])
             parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 

@@ -52,7 +52,7 @@ def first_shapes(shapes: list[StepShape], scheduler: Scheduler) -> list[StepShap
     bucket, the smallest context bucket) and the smallest decode-only step (static attention: at the largest context
     bucket, which serves any context)."""
     cfg = scheduler.config
-    decode_ctx = cfg.context_buckets[-1] if cfg.context_buckets and not cfg.pallas_decode else 0
+    decode_ctx = cfg.context_buckets[-1] if cfg.context_buckets else 0
     decode = min((s for s in shapes if not s.prefill_rows and s.ctx_pages == decode_ctx), key=lambda s: s.decode_rows)
     prefill_only = [s for s in shapes if s.prefill_rows and not s.decode_rows]
     # The smallest context bucket that holds FIRST_CONTEXT_TOKENS: a first prompt of up to that many tokens runs (in

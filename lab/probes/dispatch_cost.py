@@ -148,7 +148,7 @@ def main() -> None:
     runner = llm.engine.runner
     rows = []
     for b in args.rows:
-        shape = StepShape(b, 0, 0, 0 if runner.static.pallas_decode else pages + 1)
+        shape = StepShape(b, 0, 0, 0 if runner.static.pallas_attention else pages + 1)
         runner.layout(shape)
         r = measure(runner, shape, args.ctx, args.reps)
         rows.append(r)

@@ -75,7 +75,7 @@ def main() -> None:
     static = runner.static
     ps, trash = static.page_size, static.trash_page
     out["config"] = {"decode_buckets": sched.decode_buckets, "prefill_buckets": sched.prefill_buckets,
-                     "context_buckets": sched.context_buckets, "pallas_decode": sched.pallas_decode,
+                     "context_buckets": sched.context_buckets, "pallas_attention": runner.static.pallas_attention,
                      "mixed_decode_rows": sched.mixed_decode_rows, "page_size": ps, "num_pages": trash,
                      "pages_per_seq": static.pages_per_seq, "matmul": llm.engine_config.kernels.matmul}
 
@@ -87,7 +87,7 @@ def main() -> None:
     d_pages = -(-args.context // ps)
     p_pages = -(-T // ps)
     p_ctx = bucket(p_pages)  # what the scheduler picks for a 128-token chunk at position 0
-    static_decode = bool(sched.context_buckets) and not sched.pallas_decode
+    static_decode = bool(sched.context_buckets)
     d_ctx = bucket(d_pages) if static_decode else 0
     out["config"].update(decode_ctx_pages=d_ctx, prefill_ctx_pages=p_ctx, decode_pages_per_row=d_pages,
                          prefill_pages_per_row=p_pages)
