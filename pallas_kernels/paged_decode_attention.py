@@ -61,13 +61,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import log_once, traced_once
+from pallas_kernels.common import NEG, check_paged_pool, log_once, softmax_block, traced_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
 log = logging.getLogger("jphoton.kernels")
 
-NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
 NUM_SMS = 132  # H100 SXM; only shapes the default split count
 
 
@@ -155,11 +154,7 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
     if write:
         k_cur = plgpu.load(kn_ref.at[r, k_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(k_ref.dtype)
         v_cur = plgpu.load(vn_ref.at[r, v_off + h, pl.ds(0, HD)], mask=dmask, other=0.0).astype(v_ref.dtype)
-    dims_qk = (((1,), (1,)), ((), ()))
-    dims_pv = (((1,), (0,)), ((), ()))
-
     def body(j, carry):
-        m, l, acc = carry
         t = j * BC + tt
         valid = (t >= lo) & (t < hi)
         page_idx = jnp.minimum(jax.lax.div(t, ps), P - 1)
@@ -172,15 +167,7 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
             cur = (t == last)[:, None]
             k = jnp.where(cur, k_cur[None, :], k)
             v = jnp.where(cur, v_cur[None, :], v)
-        sc = jax.lax.dot_general(q, k, dims_qk, precision=precision, preferred_element_type=jnp.float32) * scale
-        sc = jnp.where(valid[None, :], sc, NEG)  # [Gp, BC]
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        p = jnp.where(valid[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(p.astype(pv_dtype), v, dims_pv, precision=precision,
-                                 preferred_element_type=jnp.float32)
-        return m_new, l, acc * alpha[:, None] + pv
+        return softmax_block(q, k, v, valid[None, :], carry, scale=scale, precision=precision, pv_dtype=pv_dtype)
 
     init = (jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, HD), jnp.float32))
     m, l, acc = jax.lax.fori_loop(start, end, body, init)
@@ -223,34 +210,14 @@ def _combine(acc, m, l, G: int, hd: int, out_dtype) -> jax.Array:
 def check_inputs(q, k_pool, v_pool, block_table, ctx_len, page_size, max_pages, sliding_window) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [R, Hq, hd] (one query token per row), got shape {q.shape}")
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be [L, slots, Hkv, hd]; got {k_pool.shape} and {v_pool.shape}")
-    if k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
-    for name, a in (("q", q), ("k_pool", k_pool)):
-        if a.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            raise ValueError(f"{name} must be bfloat16, float16 or float32, got {a.dtype}")
     R, Hq, hd = q.shape
-    _, slots, Hkv, hd_kv = k_pool.shape
-    if hd_kv != hd:
-        raise ValueError(f"head_dim of q ({hd}) and of the KV pool ({hd_kv}) differ")
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if slots % page_size:
-        raise ValueError(f"the pool's slot count ({slots}) is not a multiple of page_size ({page_size})")
-    if block_table.ndim != 2 or block_table.shape[0] != R:
-        raise ValueError(f"block_table must be [R={R}, P], got {block_table.shape}")
+    check_paged_pool(k_pool, v_pool, block_table, page_size, sliding_window, q.dtype, R, Hq, hd)
     if ctx_len.shape != (R,):
         raise ValueError(f"ctx_len must be [R={R}], got {ctx_len.shape}")
-    for name, a in (("block_table", block_table), ("ctx_len", ctx_len)):
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integers, got {a.dtype}")
+    if not jnp.issubdtype(ctx_len.dtype, jnp.integer):
+        raise ValueError(f"ctx_len must be integers, got {ctx_len.dtype}")
     if max_pages is not None and not (isinstance(max_pages, int) and 1 <= max_pages <= block_table.shape[1]):
         raise ValueError(f"max_pages must be an int in [1, {block_table.shape[1]}], got {max_pages!r}")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
 
 
 def _layer_array(layer) -> jax.Array:
