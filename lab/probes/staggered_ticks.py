@@ -35,12 +35,13 @@ def summarise(records, lo: float, hi: float) -> dict:
                   "commit_work": r.t_committed - r.t_ready}
         groups = [r.kind, "all"]
         for g in groups:
-            d = out.setdefault(g, {k: [] for k in phases} | {"no_wait": 0, "n": 0})
+            d = out.setdefault(g, {k: [] for k in phases} | {"no_wait": 0, "n": 0, "rows": {}})
+            d["rows"][r.rows] = d["rows"].get(r.rows, 0) + 1
             for k, v in phases.items():
                 d[k].append(1e3 * v)
             d["n"] += 1
             d["no_wait"] += phases["wait"] < NO_WAIT_S
-    return {g: {"n": d["n"], "no_wait": d["no_wait"],
+    return {g: {"n": d["n"], "no_wait": d["no_wait"], "rows": dict(sorted(d["rows"].items())),
                 **{f"{k}_ms_mean": statistics.fmean(v) for k, v in d.items() if isinstance(v, list) and v},
                 **{f"{k}_ms_p50": statistics.median(v) for k, v in d.items() if isinstance(v, list) and v},
                 **{f"{k}_ms_p90": sorted(v)[int(0.9 * (len(v) - 1))] for k, v in d.items() if isinstance(v, list) and v}}
@@ -55,9 +56,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--depths", type=int, nargs="+", default=[2])
+    ap.add_argument("--default-engine", action="store_true",
+                    help="the default engine (all buckets, as benchmarks/serving.py builds it) instead of narrowed ones")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from benchmarks.common import device_info, timed_run
+    from benchmarks.common import default_llm, device_info, timed_run
     from benchmarks.serving import engine_staggered
     from jphoton import LLM, SamplingParams
 
@@ -65,9 +68,12 @@ def main() -> None:
     out = {"device": device_info(), "args": vars(args), "runs": {}}
     rng = random.Random(1)
     for depth in args.depths:
-        llm = LLM(args.model, pipeline_depth=depth, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
-                  prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
-                  max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
+        if args.default_engine:
+            llm = default_llm(args.model, pipeline_depth=depth, progress=False)
+        else:
+            llm = LLM(args.model, pipeline_depth=depth, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
+                      prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
+                      max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
         vocab = llm.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
@@ -90,7 +96,8 @@ def main() -> None:
                           **{f"{w}.{k}": {m: round(v[m], 3) for m in ("period_ms_mean", "plan_ms_mean",
                                                                       "launch_ms_mean", "wait_ms_mean",
                                                                       "commit_work_ms_mean")} | {"n": v["n"],
-                                                                                                  "no_wait": v["no_wait"]}
+                                                                                                  "no_wait": v["no_wait"],
+                                                                                                  "rows": v["rows"]}
                              for w, s in (("static", static), ("staggered", staggered)) for k, v in s.items()}}),
               flush=True)
         del llm
