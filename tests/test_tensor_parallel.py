@@ -162,3 +162,11 @@ def test_import_turns_off_xla_one_shot_all_reduce():
     assert run("") == "True"
     code = "import jax, jphoton; jax.devices(); print(jphoton.ONE_SHOT_FLAG_LATE)"
     assert run("") == "False"
+
+
+def test_pallas_attention_kernels_on_shards():
+    """attention="pallas" (the GPU default: paged decode and prefill kernels, here in interpret mode) inside the
+    sharded step: each shard's kernels see its own KV heads; greedy tokens still HF's."""
+    llm = make_llm(FIXTURES / "tiny" / "llama3", tensor_parallel_size=2, warmup="off", attention="pallas", **SMALL)
+    assert llm.engine.runner.static.pallas_attention
+    _greedy_equals_hf(llm, "llama3")
