@@ -280,7 +280,7 @@ def _e2e_variant(args, spec: str, variant: str) -> list[dict]:
         # differs between variants only in its matmuls (or attention config)
         pages = -(-args.ctx // 16)
         llm = LLM(model, max_model_len=pages * 16, max_num_seqs=B, decode_buckets=tuple(sorted(set(args.batch))),
-                  prefill_buckets=((1, 32),), context_buckets=(pages,), warmup=False,
+                  prefill_buckets=((1, 32),), warmup=False,
                   num_kv_pages=B * pages + 8, progress=False)
         for b in args.batch:
             t0 = time.perf_counter()

@@ -143,12 +143,12 @@ def main() -> None:
     pages = -(-args.ctx // 16)
     B = max(args.rows)
     llm = LLM(args.model, max_model_len=pages * 16 + 16, max_num_seqs=B, decode_buckets=tuple(sorted(args.rows)),
-              prefill_buckets=((1, 32),), context_buckets=(pages + 1,), warmup=False, num_kv_pages=B * pages + 8,
+              prefill_buckets=((1, 32),), warmup=False, num_kv_pages=B * pages + 8,
               progress=False)
     runner = llm.engine.runner
     rows = []
     for b in args.rows:
-        shape = StepShape(b, 0, 0, 0 if runner.static.pallas_attention else pages + 1)
+        shape = StepShape(b, 0, 0, 0)  # Pallas (GPU) or dynamic (CPU) attention: no context bucket
         runner.layout(shape)
         r = measure(runner, shape, args.ctx, args.reps)
         rows.append(r)
