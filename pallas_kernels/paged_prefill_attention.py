@@ -8,15 +8,16 @@ for 512), and every bucket was one more compiled step shape per prefill shape. H
 straight from the pool and its loop follows each row's own length, so a prefill step needs no context bucket.
 
   grid      (row r, KV head h, query block b). A program owns `block_q` query positions of one row and *all* G = Hq / Hkv
-            query heads of KV head h: its query tile has block_q * G rows (position-major), so every K/V tile it loads
-            serves G heads at once (GQA), and the dots have M = block_q * G >= 16 rows for tensor cores.
+            query heads of KV head h: its query tile has tile_rows >= block_q * G rows (position-major, block_q =
+            tile_rows // G; rows past block_q * G stay empty), so every K/V tile it loads serves G heads at once (GQA),
+            and the dots have M = tile_rows >= 16 rows for tensor cores.
   causal    query i of row r sits at position q_start[r] + i and sees keys at positions <= its own (and > its own -
             sliding_window). A program loops over the key blocks up to its last query's position: the loop follows the
             row's own length (and the diagonal), read from scalar refs; a block past the row's q_len runs no block.
   gather    as in paged_decode_attention.py: a block of `block_kv` positions reads its page ids from the block table,
             forms pool slots page * page_size + offset and loads K and V [block_kv, hd] with full array indices (no
             copy of K/V in XLA); the query tile is gathered the same way (a position and a head index per tile row).
-  output    each program writes its whole [block_q * G, hd] tile as one block, and one small XLA copy puts the tiles
+  output    each program writes its whole [tile_rows, hd padded] tile as one block, and one small XLA copy puts the tiles
             back in [R, T, Hq, hd] order (`_untile`). Query positions >= q_len[r] (a chunk shorter than the bucket,
             padding rows) come out as zeros, so the caller's padding never carries NaN into the next layer.
 
