@@ -58,6 +58,7 @@ class Server:
         self.frontends, self.frontend_index = frontends, frontend_index
         self.reuse_port = reuse_port or frontends > 1
         self._frontend_procs: list = []
+        self._frontends_ready: list = []  # one multiprocessing Event per frontend process after the first
         # the other frontends drain for this long at stop, with this GIL switch interval (run_until_signal's)
         self.drain_grace, self.switch_interval = 30.0, None
         self.metrics = Metrics()
@@ -124,6 +125,8 @@ class Server:
                 llm = EngineProcess(link=model)
             self._engine_process = llm
             await _in_daemon_thread(llm.start)
+            # SERVING once every frontend serves: the port is shared, so a call right after it may reach any of them
+            await _in_daemon_thread(self._wait_for_frontends)
             llm.on_death = self._engine_died
             llm.attach(asyncio.get_running_loop())
         else:
@@ -139,6 +142,17 @@ class Server:
                  f", engine process {llm.pid}" if isinstance(llm, EngineProcess) else "", stats["num_compiles"],
                  stats["shapes_compiled"], stats["shapes_total"])
 
+    def _wait_for_frontends(self, timeout: float = 120.0) -> None:
+        """Block until every other frontend process has attached to the engine (or died, or `timeout` passed: then
+        the ones that did serve, and a warning says which did not)."""
+        deadline = time.monotonic() + timeout
+        for proc, ready in zip(self._frontend_procs, self._frontends_ready, strict=True):
+            while not ready.wait(0.1):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    log.warning("frontend process %d is not serving (%s)", proc.pid,
+                                "exited" if not proc.is_alive() else f"not ready after {timeout:.0f} s")
+                    break
+
     def _start_frontends(self, links: list[EngineLink]) -> None:
         """Start a frontend process per link (each binds this server's port shared), then drop our copies of their
         ends, so that the engine sees a frontend that dies as an end of file."""
@@ -148,9 +162,11 @@ class Server:
                       max_message_bytes=self.max_message_bytes,
                       metrics_port=None, reuse_port=True)
         for link in links:
+            ready = ctx.Event()
+            self._frontends_ready.append(ready)
             proc = ctx.Process(target=_frontend_main, name=f"jphoton-frontend-{link.index}", daemon=True,
                                args=(link, {**kwargs, "frontend_index": link.index}, levels, self.drain_grace,
-                                     self.switch_interval))
+                                     self.switch_interval, ready))
             proc.start()
             self._frontend_procs.append(proc)
             link.close()
@@ -292,8 +308,9 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int], grace: float,
-                   switch_interval: float | None) -> None:
-    """A frontend process after the first: serve the port (shared) through `link` until SIGTERM, then drain."""
+                   switch_interval: float | None, ready=None) -> None:
+    """A frontend process after the first: serve the port (shared) through `link` until SIGTERM, then drain.
+    ready: set once this frontend serves (the first frontend turns SERVING after every one has)."""
     import sys
 
     if switch_interval is not None:  # as the first frontend's (run_until_signal)
@@ -310,7 +327,13 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         server = Server(**server_kwargs)
         await server.start()
-        load = asyncio.create_task(server.load(link))
+
+        async def load_and_tell() -> None:
+            await server.load(link)
+            if ready is not None:
+                ready.set()
+
+        load = asyncio.create_task(load_and_tell())
         await stop.wait()
         await server.stop(grace)
         if not load.done():
