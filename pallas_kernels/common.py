@@ -8,6 +8,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30  # finite "minus infinity": the online-softmax rescale stays free of inf - inf
 
@@ -43,6 +44,19 @@ def traced_once(fn):
     lowers it once and calls it per layer; XLA inlines the calls, so the compiled program is unchanged."""
     static = [name for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
     return jax.jit(fn, static_argnames=static)
+
+
+def load_kv_block(k_ref, v_ref, bt_ref, r, layer, h, t, valid, dd, dmask, *, page_size: int, pages: int):
+    """The K and V tiles [BC, HD] of key positions t [BC] of row r, KV head h, from the paged pool: each position's
+    page id from the block table, its pool slot page * page_size + offset; positions not `valid` (and head-dim lanes
+    past `dmask`) read zeros. -> (k, v)."""
+    page_idx = jnp.minimum(jax.lax.div(t, page_size), pages - 1)
+    page = plgpu.load(bt_ref.at[r, page_idx], mask=valid, other=0)
+    slot = jnp.where(valid, page * page_size + jax.lax.rem(t, page_size), 0)
+    kvmask = valid[:, None] & dmask[None, :]
+    k = plgpu.load(k_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+    v = plgpu.load(v_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+    return k, v
 
 
 def softmax_block(q, k, v, see, carry, *, scale: float, precision, pv_dtype):

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NEG, check_paged_pool, log_once, softmax_block, traced_once
+from pallas_kernels.common import NEG, check_paged_pool, load_kv_block, log_once, softmax_block, traced_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -157,12 +157,7 @@ def _kernel(layer_ref, bt_ref, len_ref, q_ref, k_ref, v_ref, *refs, G, Gp, hd, H
     def body(j, carry):
         t = j * BC + tt
         valid = (t >= lo) & (t < hi)
-        page_idx = jnp.minimum(jax.lax.div(t, ps), P - 1)
-        page = plgpu.load(bt_ref.at[r, page_idx], mask=valid, other=0)
-        slot = jnp.where(valid, page * ps + jax.lax.rem(t, ps), 0)
-        kvmask = valid[:, None] & dmask[None, :]
-        k = plgpu.load(k_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)  # [BC, HD]
-        v = plgpu.load(v_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+        k, v = load_kv_block(k_ref, v_ref, bt_ref, r, layer, h, t, valid, dd, dmask, page_size=ps, pages=P)
         if write:
             cur = (t == last)[:, None]
             k = jnp.where(cur, k_cur[None, :], k)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NEG, check_paged_pool, log_once, softmax_block, traced_once
+from pallas_kernels.common import NEG, check_paged_pool, load_kv_block, log_once, softmax_block, traced_once
 from pallas_kernels.common import next_pow2 as _pow2
 from pallas_kernels.common import use_interpret as _use_interpret
 
@@ -111,12 +111,7 @@ def _kernel(layer_ref, bt_ref, start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *
     def body(j, carry):
         kp = j * BC + tt
         valid = (kp >= lo) & (kp < hi)
-        page_idx = jnp.minimum(jax.lax.div(kp, ps), P - 1)
-        page = plgpu.load(bt_ref.at[r, page_idx], mask=valid, other=0)
-        slot = jnp.where(valid, page * ps + jax.lax.rem(kp, ps), 0)
-        kvmask = valid[:, None] & dmask[None, :]
-        k = plgpu.load(k_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)  # [BC, HD]
-        v = plgpu.load(v_ref.at[layer, slot[:, None], h, dd[None, :]], mask=kvmask, other=0.0)
+        k, v = load_kv_block(k_ref, v_ref, bt_ref, r, layer, h, kp, valid, dd, dmask, page_size=ps, pages=P)
         see = valid[None, :] & (kp[None, :] <= pos[:, None])  # [BM, BC]
         if window is not None:
             see &= pos[:, None] - kp[None, :] < window
