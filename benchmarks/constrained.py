@@ -11,10 +11,8 @@ max_tokens before the constraint closed are counted apart (`truncated`); `valid`
   device           the decode step's forward + sampler dispatched back to back with no host work (free: fused
                    sampler; schema: fused + the masked sampler)
   idle             period - device: what the GPU waits per step
-  mask             median time to fill the step's bitmasks (llguidance, parallel over rows; on the engine's fill
-                   thread, beside the commit and the planning)
-  host             median host time per step on the engine thread: plan + launch + commit + finalize (finalize
-                   includes any wait for the fill)
+  mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
+  host             median host time per step: plan + launch + commit + finalize
 
     python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
         --tokenizer benchmarks/assets/smollm2-tokenizer --streams 1 8 32 --out DIR
@@ -71,10 +69,8 @@ COORDS = r"\[[0-9]{1,3},[0-9]{1,3}(;[0-9]{1,3},[0-9]{1,3}){0,15}\]"
 PHASES = {  # host phases of a step: (start, end) telemetry fields
     "plan": ("t_plan", "t_planned"), "launch": ("t_launch", "t_launched"), "wait": ("t_commit", "t_ready"),
     "commit": ("t_ready", "t_committed"),
-    "mask_fill": ("t_fill", "t_filled"), "fill_wait": ("t_finalize", "t_masked"),
-    "sampler_dispatch": ("t_masked", "t_finalized"),
+    "mask_fill": ("t_finalize", "t_masked"), "sampler_dispatch": ("t_masked", "t_finalized"),
 }
-BESIDE = ("wait", "mask_fill")  # not host work of the engine thread: the device's, the fill thread's
 
 
 def summarize(run: dict, timeline: list[dict]) -> dict:
@@ -85,7 +81,7 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
         a, b = PHASES[phase]
         return r[b] - r[a] if r.get(a) and r.get(b) else 0.0
 
-    host = [sum(span(r, p) for p in PHASES if p not in BESIDE) for r in decode]
+    host = [sum(span(r, p) for p in PHASES if p != "wait") for r in decode]
     phases = {p: 1e3 * statistics.median([span(r, p) for r in decode]) for p in PHASES} if decode else {}
     return dict(tok_s=run["tok_s"], tokens=run["tokens"], period_ms=run["period_ms"],
                 host_ms=1e3 * statistics.median(host), phases_ms=phases,

@@ -126,18 +126,6 @@ def test_constrained_and_free_rows_share_steps(runs):
     assert len(overlapped) > len(records) // 2
 
 
-def test_the_mask_fill_runs_beside_the_previous_commit(runs):
-    """Depth 2: step t+1's masks are filled on the fill thread from the moment t's tokens reached the matchers, while
-    the engine thread finishes committing t (and plans t+2); depth 1 fills in finalize, after the commit."""
-    for depth, beside_expected in ((2, True), (1, False)):
-        records = runs[depth, 0.0][2]
-        by_id = {r.step_id: r for r in records}
-        guided = [r for r in records if r.constrained_rows and r.step_id - 1 in by_id]
-        beside = [r for r in guided if by_id[r.step_id - 1].t_advanced <= r.t_fill < by_id[r.step_id - 1].t_committed]
-        assert all(r.t_fill <= r.t_filled <= r.t_masked for r in guided)
-        assert (len(beside) > len(guided) // 2) if beside_expected else not beside, (depth, len(beside), len(guided))
-
-
 def test_a_pipelined_grammar_step_costs_one_input_transfer(runs):
     """The masked sampler's transfer also carries the next step's input (planned while the step ran, at depth 2 and
     at depth 1 alike), so a step costs one host->device copy with or without grammar rows."""

@@ -5,10 +5,6 @@ One tick at pipeline depth 2 (the default), step t already on the device:
     host:   launch t+1 | plan+pack t+2 | wait for t's tokens, commit t | [grammar rows in t+1: fill masks, sample t+1]
     device: ..................... step t ....................... | step t+1 (carried-over tokens read on the device)
 
-A grammar step's tick (t+1 waits for its masks): launch t+1 | wait for t's tokens, advance the matchers | commit t,
-plan+pack t+2 | sample t+1, with the mask fill of t+1 on a worker thread from the advance to the sampling (llguidance
-fills without the GIL), so that it runs beside the commit and the planning instead of after them.
-
 - Launch: the scheduler planned t+1 in the tick before, from what the host knew before t-1 was committed (so only the
   commit and the launch lie between two steps); a decode row whose input token is still on the device names the row of
   the previous step's output that holds it (`carry_from`). The runner packs the step into one
@@ -19,9 +15,8 @@ fills without the GIL), so that it runs beside the commit and the planning inste
 - Zombies: a sequence that finishes at t is already in t+1 (and in t+2, planned before t's commit). It is finalized
   at once (its result emitted); its pages go back only when `inflight_refs` (launched steps that reference it) is 0.
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
-  not. A step with grammar rows is launched forward-only (logits kept on the device); once t's tokens are on the host
-  the matchers advance, the masks are filled (on the fill thread, beside the rest of the commit) and the step is
-  sampled ("finalized"). The step after it is planned first, so that its
+  not. A step with grammar rows is launched forward-only (logits kept on the device); after commit t the matchers
+  advance, the masks are filled and the step is sampled ("finalized"). The step after it is planned first, so that its
   input rides in the masked sampler's transfer (one host->device copy per step). Steps whose rows are all free sample
   inside the forward, so they run a step ahead.
 
@@ -33,11 +28,9 @@ references it.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import gc
 import logging
-import threading
 from collections.abc import Callable
 
 from jphoton.constraints import GrammarCompiler
@@ -48,7 +41,7 @@ from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
 from jphoton.engine.scheduler import Scheduler, StepPlan
-from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, StepResult
+from jphoton.engine.slots import DecodeSlot, PlannedStep, StepResult
 from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import RequestOutput, Sequence
 
@@ -91,10 +84,6 @@ class Engine:
         # Shapes still compiling on the background thread (engine/warmup.py): no refreeze until it is done (its
         # compiles would make every tick refreeze); one refreeze after.
         self.compiling_in_background: Callable[[], bool] = lambda: False
-        # The grammar fill of the step awaiting its masks, started on `_fill_thread` right after the matchers advanced
-        # (depth 2); `_finalize` waits for it. Never outlives the tick that started it.
-        self._fill_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending_fill: tuple[DecodeSlot, concurrent.futures.Future[SamplerInput]] | None = None
 
     # ---- requests --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -207,58 +196,18 @@ class Engine:
 
     def _finalize(self, slot: DecodeSlot) -> None:
         """Fill the grammar rows' masks (every token before the step is committed, so each matcher is in the state its
-        row needs), or wait for the fill started at the commit, and sample the step; a step planned ahead sends its
-        input along in the same transfer."""
+        row needs) and sample the step; a step planned ahead sends its input along in the same transfer."""
         now = self.telemetry.now
-        rec = slot.step.record
+        plan, rec = slot.step.plan, slot.step.record
         rec.t_finalize = now()
-        pending, self._pending_fill = self._pending_fill, None
-        assert pending is None or pending[0] is slot, "a fill started for another step"
-        inp = pending[1].result() if pending is not None else self._fill(slot)
-        rec.t_masked = now()
-        self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
-        rec.t_finalized = now()
-
-    def _fill(self, slot: DecodeSlot, finishing: frozenset[int] = frozenset()) -> SamplerInput:
-        """The step's masked-sampler input with its grammar rows' masks filled. Zombies, failed rows and `finishing`
-        (ids of sequences whose grammar completed at the commit that the fill runs beside) keep the all-ones row."""
-        inp, rows = self._fill_rows(slot, finishing)
-        self._fill_masks(slot.step.record, rows, inp)
-        return inp
-
-    def _fill_rows(self, slot: DecodeSlot, finishing: frozenset[int]):
-        plan = slot.step.plan
         inp = self.runner.sampler_input(plan, masked=True)
         rows = [(r.seq.constraint, r.out_row) for r in plan.rows
                 if r.samples and r.seq.constraint is not None and not r.seq.finalized
-                and not r.seq.constraint.failed and id(r.seq) not in finishing]
-        return inp, rows
-
-    def _fill_masks(self, rec: StepRecord, rows, inp: SamplerInput) -> SamplerInput:
-        rec.t_fill = self.telemetry.now()
+                and not r.seq.constraint.failed]  # zombies and failed rows keep the all-ones row
         self.grammar.fill_masks(rows, inp.mask)
-        rec.t_filled = self.telemetry.now()
-        return inp
-
-    def _start_fill(self, verdicts: dict[int, GrammarVerdict], plan: StepPlan) -> None:
-        """Right after the matchers took t's tokens: fill t+1's masks on the fill thread while this thread commits t
-        and plans t+2 (neither touches a matcher); this tick's `_finalize` waits for it. The rows and the sampler input
-        are built here, and this thread waits until the fill thread runs: a thread woken while another holds the GIL
-        waits up to the switch interval (5 ms) for it, past the whole tick; llguidance releases it while it fills."""
-        slot = self.inflight[-1]
-        finishing = frozenset(id(r.seq) for r in plan.rows if (v := verdicts.get(id(r))) is not None
-                              and (v.done or not v.accepted))
-        inp, rows = self._fill_rows(slot, finishing)
-        if self._fill_thread is None:
-            self._fill_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-grammar-fill")
-        running = threading.Event()
-
-        def fill() -> SamplerInput:
-            running.set()
-            return self._fill_masks(slot.step.record, rows, inp)
-
-        self._pending_fill = (slot, self._fill_thread.submit(fill))
-        running.wait()
+        rec.t_masked = now()
+        self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
+        rec.t_finalized = now()
 
     # ---- commit ----------------------------------------------------------------------------------------------------
     def _commit(self, slot: DecodeSlot) -> list[RequestOutput]:
@@ -269,8 +218,6 @@ class Engine:
         rec.t_ready = now()
         verdicts = self._advance_grammar(plan, result) if rec.constrained_rows else {}
         rec.t_advanced = now()
-        if self.depth > 1 and self.inflight and self.inflight[-1].awaiting_mask and self._pending_fill is None:
-            self._start_fill(verdicts, plan)
         outputs = []
         tokens = result.tokens
         for row in plan.rows:

@@ -27,10 +27,8 @@ class StepRecord:
     t_advanced: float = 0.0  # grammar matchers fed the step's tokens
     t_committed: float = 0.0  # tokens appended, deltas built, stops checked
     constrained_rows: int = 0  # rows sampled under a grammar mask (the step samples at finalize)
-    t_fill: float = 0.0  # the grammar mask fill starts (on the fill thread, beside the previous step's commit)
-    t_filled: float = 0.0  # the fill ends
-    t_finalize: float = 0.0  # finalize starts (after the previous step's commit): waits for the masks
-    t_masked: float = 0.0  # masks filled (waited for, or filled here at depth 1)
+    t_finalize: float = 0.0  # finalize starts (after the previous step's commit): masks are filled
+    t_masked: float = 0.0  # masks filled
     t_finalized: float = 0.0  # masked sampler dispatched (with the next step's input), host copy started
 
 
