@@ -18,12 +18,14 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--caps", type=int, nargs="+", default=[4096, 1])
 ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
 ap.add_argument("--vocab", type=int, default=128256)
+ap.add_argument("--settings", nargs="+", default=["50,1.0", "50,0.9", "0,0.9", "1000,1.0"], help="top_k,top_p")
 a = ap.parse_args()
 for R in a.rows:
     rng = np.random.default_rng(0)
     lg0 = jnp.asarray(rng.normal(size=(R, a.vocab)).astype(np.float32))
     key = jnp.asarray(rng.integers(0, 2**31, (R, 2)).astype(np.uint32))
-    for k, p in ((50, 1.0), (50, 0.9), (0, 0.9), (1000, 1.0)):
+    for k, p in (map(float, x.split(",")) for x in a.settings):
+        k = int(k)
         for cap in a.caps:
 
             def fn(lg, i, k=k, p=p, cap=cap, R=R, key=key):
