@@ -223,8 +223,8 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check(proc_srv, megabytes)
     quiet, _ = _largest_gap(stub)
     busy, [(code, details, took, slowest_health)] = _largest_gap(stub, hostile)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the context holds" in details and len(details) < 300
-    # (the stall this guards against was ~8 s; receiving the 15 MB message itself took one check 286 ms on the busy
-    # 2-core CI box once, so the bound leaves room for that and still fails at any tokenizing on the event loop)
+    # (the stall this guards against was ~8 s; on the busy 2-core CI box one check once took 286 ms while the 15 MB
+    # request was in flight, so the bound leaves room for that and still fails at any tokenizing on the event loop)
     assert slowest_health < 1.0, f"a health check took {slowest_health * 1e3:.0f} ms"
     # 15 MB (the acceptance's case): refused from its size, within 3x. 2 MB: tokenized in the helper process, which on
     # the 2-core CI machine takes one of the cores the engine's CPU step runs on (niced, but 3.2x was seen once).
