@@ -18,3 +18,8 @@ for round in 1 2; do
       --rows 32 --block $b --caps 16384 --settings 50,1.0 50,0.9 0,0.9 2>&1 | grep -v Warn)
   done
 done
+# rows 1 / 8 / 16 (8 and 16 spill offline at 8192 too), once
+for b in 8192 4096 2048; do
+  echo "== main block $b, rows 1 8 16"; PYTHONPATH=$PWD:/tmp/site timeout 100 python3 lab/probes/compact_cost.py \
+    --rows 1 8 16 --block $b --settings 50,1.0 0,0.9 2>&1 | grep -v Warn
+done
