@@ -195,3 +195,26 @@ def test_seeded_filtered_tokens_equal_at_depth_1_and_2(embedded_d1, embedded_llm
     d1 = [o.token_ids for o in embedded_d1.generate(prompts, params)]
     d2 = [o.token_ids for o in embedded_llm.generate(prompts, params)]
     assert d1 == d2 and len(set(d1[0])) > 3
+
+
+@pytest.mark.parametrize("cap", [4096, 300, 60, 1])
+def test_top_k_over_the_compacted_candidates_equals_the_xla_loops(cap):
+    """Once a top-k row's count at the search's lower bound is <= compact_cap, its later sweeps read a compacted copy
+    of those entries: caps that compact at the first sweep (4096 >= the row), mid-search (300, 60) and never (1)."""
+    x = np.concatenate([_rows(kind, 2, 3000, seed=7) for kind in ("normal", "peaked", "masked")])
+    scaled = jnp.asarray(x)
+    R = x.shape[0]
+    noisy = scaled + _gumbel(scaled, jnp.asarray(np.stack([seed_key_data(40 + i) for i in range(R)])),
+                             jnp.zeros(R, jnp.int32))
+    for k, p in [(50, 1.0), (3, 0.5), (200, 0.9), (1, 1.0), (1000, 0.95), (0, 0.9)]:
+        kk, pp = jnp.full(R, k, jnp.int32), jnp.full(R, p, jnp.float32)
+        want = np.asarray(filtered_sample_xla(scaled, noisy, kk, pp))
+        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, compact_cap=cap,
+                                         interpret=True))
+        assert (got == want).all(), (cap, k, p, np.flatnonzero(got != want))
+
+
+def test_compact_cap_must_be_positive():
+    z = jnp.zeros((2, 300))
+    with pytest.raises(ValueError, match="compact_cap"):
+        filtered_sample(z, z, jnp.zeros(2, jnp.int32), jnp.ones(2), compact_cap=0, interpret=True)
