@@ -18,7 +18,7 @@ Exactly the kept set of the sort-based reference (jphoton/sampling.py `_filter_t
 order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
 the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
 token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
-(lab/probes/topp_cost.py); this, 0.07 ms at top_p 0.9 and 0.17 ms at top_k 50 (docs/decisions.md for the variants).
+(lab/probes/topp_cost.py); this, 0.065 ms at top_p 0.9 and 0.12 ms at top_k 50 (docs/decisions.md for the variants).
 
 The programs of a row meet at a spin barrier once per sweep, so all of them must be resident at once: the kernel
 launches at most one program per SM (`programs_per_row`), on the engine's one compute stream. A GPU whose SMs are
