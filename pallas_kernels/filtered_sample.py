@@ -71,38 +71,9 @@ def _mid(lo, hi):
     return (lo & hi) + ((lo ^ hi) >> 1) + ((lo ^ hi) & 1)
 
 
-def _k_probes(lo, hi, c_lo, c_up, top_k, m_low):
-    """The top-k search's PROBES thresholds for a bracket: count(keys >= lo) = c_lo >= k > c_up = count(keys > hi).
-    Two probes evenly spaced in order keys (the bracket shrinks 3x a sweep whatever the values: no row takes more than
-    ~20 sweeps), six in value around where the k-th value should be if log(count) fell linearly across the bracket,
-    as a logit tail roughly does: 3-5 sweeps for k <= 1000 on normal, Gumbel, log-normal and peaked rows of 128256
-    (lab/probes/topp_cost.py), where key probes alone took 8-12."""
-    probe = jnp.arange(PROBES, dtype=jnp.int32)
-    v_lo = jnp.maximum(key_value(lo), m_low)
-    v_hi = key_value(hi)
-    log_c_lo = jnp.log(c_lo.astype(jnp.float32))
-    est = (log_c_lo - jnp.log(top_k - 0.5)) / (log_c_lo - jnp.log(c_up + 0.5))
-    spread = jnp.where(probe < 5, -1.0, 1.0) * jnp.where((probe == 2) | (probe == 7), 0.2,
-                                                          jnp.where((probe == 3) | (probe == 6), 0.05, 0.01))
-    by_value = float_keys(v_lo + (v_hi - v_lo) * jnp.clip(est + spread, 0.0, 1.0))
-    return jnp.where(probe < 2, _split(lo, hi, (probe + 1).astype(jnp.uint32), 2), jnp.clip(by_value, lo + 1, hi))
-
-
-def _k_narrow(lo, hi, c_lo, c_up, t, c, top_k):
-    """The bracket after counting c = count(keys >= t) at the probes t: (lo, hi, c_lo, c_up); lo == hi once found."""
-    ge = c >= top_k
-    exact = jnp.max((c == top_k).astype(jnp.int32)) > 0
-    best = jnp.max(jnp.where(ge, t, lo))
-    c_best = jnp.min(jnp.where(ge, c, c_lo))
-    hi2 = jnp.min(jnp.where(ge, hi, t - 1))
-    c_up2 = jnp.max(jnp.where(ge, c_up, c))
-    return best, jnp.where(exact, best, jnp.maximum(hi2, best)), c_best, c_up2
-
-
-def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low, start, k_start, aux):
+def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low, start, aux):
     """One row's sample index. m, m_low: the row's largest and smallest finite scaled value; start: the top-p
-    search's state after the rejection steps done for the whole batch (`prephase`), used when the row has no top-k;
-    k_start: the top-k search's bracket (lo, hi, c_lo, c_up) after the prephase's first count (lo == hi: no search).
+    search's state after the rejection steps done for the whole batch (`prephase`), used when the row has no top-k.
     The sweeps read the row (see the callers): sweep_count(t [PROBES], lo, c_lo, aux) -> (counts of keys >= t, aux),
     where lo is the search's lower bound and c_lo the count of keys >= lo; sweep_mass(ta, tb, aux) -> (mass of keys
     >= ta, mass of keys >= tb, argmax noisy over keys >= ta, same over >= tb), mass = sum exp(scaled - m); key_at(i)
@@ -112,12 +83,32 @@ def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low,
     use_k = (top_k > 0) & (top_k < V)
 
     def k_body(st):
-        lo, hi, c_lo, c_up, aux = st
-        t = _k_probes(lo, hi, c_lo, c_up, top_k, m_low)
+        # Two probes evenly spaced in order keys (the bracket shrinks 3x a sweep whatever the values: no row takes
+        # more than ~20 sweeps), six in value around where the k-th value should be if log(count) fell linearly across
+        # the bracket, as a logit tail roughly does: 3-5 sweeps for k <= 1000 on normal, Gumbel, log-normal and
+        # peaked rows of 128256 (lab/probes/topp_cost.py), where key probes alone took 8-12.
+        lo, hi, c_lo, c_up, aux = st  # count(keys >= lo) = c_lo >= k > c_up = count(keys > hi)
+        probe = jnp.arange(PROBES, dtype=jnp.int32)
+        v_lo = jnp.maximum(key_value(lo), m_low)
+        v_hi = key_value(hi)
+        log_c_lo = jnp.log(c_lo.astype(jnp.float32))
+        est = (log_c_lo - jnp.log(top_k - 0.5)) / (log_c_lo - jnp.log(c_up + 0.5))
+        spread = jnp.where(probe < 5, -1.0, 1.0) * jnp.where((probe == 2) | (probe == 7), 0.2,
+                                                              jnp.where((probe == 3) | (probe == 6), 0.05, 0.01))
+        by_value = float_keys(v_lo + (v_hi - v_lo) * jnp.clip(est + spread, 0.0, 1.0))
+        t = jnp.where(probe < 2, _split(lo, hi, (probe + 1).astype(jnp.uint32), 2), jnp.clip(by_value, lo + 1, hi))
         c, aux = sweep_count(t, lo, c_lo, aux)
-        return (*_k_narrow(lo, hi, c_lo, c_up, t, c, top_k), aux)
+        ge = c >= top_k
+        exact = jnp.max((c == top_k).astype(jnp.int32)) > 0
+        best = jnp.max(jnp.where(ge, t, lo))
+        c_best = jnp.min(jnp.where(ge, c, c_lo))
+        hi2 = jnp.min(jnp.where(ge, hi, t - 1))
+        c_up2 = jnp.max(jnp.where(ge, c_up, c))
+        return best, jnp.where(exact, best, jnp.maximum(hi2, best)), c_best, c_up2, aux
 
-    kth, _, _, _, aux = jax.lax.while_loop(lambda st: st[0] < st[1], k_body, (*k_start, aux))
+    lo0 = jnp.int32(KEY_NEG_INF)  # every entry counts, masked (-inf) ones included
+    kth, _, _, _, aux = jax.lax.while_loop(lambda st: st[0] < st[1], k_body,
+                                           (lo0, jnp.where(use_k, key_m, lo0), jnp.int32(V), jnp.int32(0), aux))
 
     def top_k_start():
         zk, _, i0, _ = sweep_mass(kth, kth, aux)
@@ -139,26 +130,14 @@ def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low,
     return jax.lax.while_loop(lambda st: ~st[3], p_body, state)[2]
 
 
-def prephase(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.Array):
+def prephase(scaled: jax.Array, noisy: jax.Array, top_p: jax.Array):
     """The first steps of every row's search over the whole batch at once, as XLA reductions that use the whole GPU
-    (one program per row would leave most of it idle): the row's max and min, the top-p rejection test of the first
-    two candidates (the unfiltered sample, then the sample above it), and the top-k search's first count (its probes
-    need only the max and min; the counts ride the passes that read the row anyway: one kernel sweep less). At top_p
-    = 0.9 a row is left for the kernel's sweeps with probability <= 1%. -> (m, m_low, start, k_start) for
-    `_select_row`, each [R] (start and k_start tuples)."""
-    R, V = scaled.shape
+    (one program per row would leave most of it idle): the row's max and min, and the top-p rejection test of the
+    first two candidates (the unfiltered sample, then the sample above it). At top_p = 0.9 a row is left for the
+    kernel's sweeps with probability <= 1%. -> (m, m_low, start) for `_select_row`, each [R] (start a tuple)."""
     keys = float_keys(scaled)
     m = jnp.max(scaled, axis=1)
     m_low = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=1)
-    use_k = (top_k > 0) & (top_k < V)
-    lo0 = jnp.full((R,), KEY_NEG_INF, jnp.int32)  # every entry counts, masked (-inf) ones included
-    k0 = (lo0, float_keys(m), jnp.full((R,), V, jnp.int32), jnp.zeros((R,), jnp.int32))
-    t = jax.vmap(_k_probes)(*k0, top_k, m_low)  # [R, PROBES]
-    # one reduction per probe (siblings over the same keys: one pass), not one over [R, PROBES, V]
-    c = jnp.stack([jnp.sum(keys >= t[:, j:j + 1], axis=1, dtype=jnp.int32) for j in range(PROBES)], axis=1)
-    k1 = jax.vmap(_k_narrow)(*k0, t, c, top_k)
-    no_search = (lo0, lo0, *k0[2:])  # lo == hi: a row without top-k skips the search
-    k_start = tuple(jnp.where(use_k, a, b) for a, b in zip(k1, no_search, strict=True))
     e = jnp.exp(scaled - m[:, None])
     z = jnp.sum(e, axis=1)
     target = top_p * z
@@ -177,7 +156,7 @@ def prephase(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p: jax.A
     hi = float_keys(m)
     done = ok1 | ok2 | (top_p >= 1.0) | (lo >= hi)
     cand = jnp.where(ok1 | (top_p >= 1.0), c1, jnp.where(ok2, c2, c3))
-    return m, m_low, (lo, hi, cand, done, target), k_start
+    return m, m_low, (lo, hi, cand, done, target)
 
 
 # ------------------------------------------------------------------------------------------------ plain JAX (CPU)
@@ -188,7 +167,7 @@ def filtered_sample_xla(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, t
     off). -> int32 [R]."""
     V = scaled.shape[-1]
 
-    def row(s, y, k, p, m, m_low, start, k_start):
+    def row(s, y, k, p, m, m_low, start):
         keys = float_keys(s)
 
         def sweep_count(t, lo, c_lo, aux):
@@ -201,16 +180,14 @@ def filtered_sample_xla(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, t
                     jnp.argmax(jnp.where(in_a, y, -jnp.inf)).astype(jnp.int32),
                     jnp.argmax(jnp.where(in_b, y, -jnp.inf)).astype(jnp.int32))
 
-        return _select_row(sweep_count, sweep_mass, lambda i: keys[i], k, p, V, m, m_low, start, k_start,
-                           jnp.int32(0))
+        return _select_row(sweep_count, sweep_mass, lambda i: keys[i], k, p, V, m, m_low, start, jnp.int32(0))
 
-    return jax.vmap(row)(scaled, noisy, top_k, top_p, *prephase(scaled, noisy, top_k, top_p))
+    return jax.vmap(row)(scaled, noisy, top_k, top_p, *prephase(scaled, noisy, top_p))
 
 
 # ------------------------------------------------------------------------------------------------ Pallas (GPU)
 
-def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, target_ref, klo_ref, khi_ref, kclo_ref,
-            kcup_ref, s_ref, y_ref, parts_in,
+def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, target_ref, s_ref, y_ref, parts_in,
             sync_in, out_ref, parts_ref, sync_ref, cs_ref, cy_ref, ci_ref, *, V, block, count_block, programs, unroll,
             cap, interpret):
     # Program (r, g) is the g-th of `programs` that share row r: each sweeps its own slice of the row, then the row's
@@ -391,9 +368,7 @@ def _kernel(k_ref, p_ref, m_ref, low_ref, lo_ref, hi_ref, cand_ref, done_ref, ta
         return float_keys(jnp.max(jnp.where(idx == i, blk, -jnp.inf)))
 
     start = (lo_ref[r], hi_ref[r], cand_ref[r], done_ref[r] != 0, target_ref[r])
-    k_start = (klo_ref[r], khi_ref[r], kclo_ref[r], kcup_ref[r])
-    i = _select_row(sweep_count, sweep_mass, key_at, k_ref[r], p_ref[r], V, m, low_ref[r], start, k_start,
-                    jnp.int32(-1))
+    i = _select_row(sweep_count, sweep_mass, key_at, k_ref[r], p_ref[r], V, m, low_ref[r], start, jnp.int32(-1))
 
     @pl.when(g == 0)
     def _():
@@ -444,8 +419,7 @@ def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p
     log_once(log, ("filtered_sample", interp, R, V, programs), "filtered_sample [%d, %d], %d programs a row, %d blocks "
              "a load: %s", R, V, programs, unroll, "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
     top_p = top_p.astype(jnp.float32)
-    top_k = top_k.astype(jnp.int32)
-    m, m_low, (lo, hi, cand, done, target), k_start = prephase(scaled, noisy, top_k, top_p)
+    m, m_low, (lo, hi, cand, done, target) = prephase(scaled, noisy, top_p)
     kernel = functools.partial(_kernel, V=V, block=block, count_block=count_block, programs=programs,
                                unroll=unroll, cap=compact_cap, interpret=interp)
     parts = jnp.zeros((2, R, programs, 8), jnp.float32)
@@ -460,10 +434,10 @@ def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p
             out_shape=(jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct(parts.shape, parts.dtype),
                        jax.ShapeDtypeStruct(sync.shape, sync.dtype), jax.ShapeDtypeStruct(compact, jnp.float32),
                        jax.ShapeDtypeStruct(compact, jnp.float32), jax.ShapeDtypeStruct(compact, jnp.int32)),
-            input_output_aliases={15: 1, 16: 2},
+            input_output_aliases={11: 1, 12: 2},
             interpret=interp,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             name=f"filtered_sample_R{R}",
-        )(top_k, top_p, m, m_low, lo, hi, cand, done.astype(jnp.int32), target, *k_start,
+        )(top_k.astype(jnp.int32), top_p, m, m_low, lo, hi, cand, done.astype(jnp.int32), target,
           scaled.astype(jnp.float32), noisy.astype(jnp.float32), parts, sync)
     return out
