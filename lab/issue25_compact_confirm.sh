@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 25: the compacted top-k at block 2048 (the working tree) against main (.ab/main: `git archive` of the commit
+# Issue 25: a sampler change (the working tree) against main (.ab/main: `git archive` of the commit
 # before it), in one device call (carry .whl, .ab): the kernel alone at 1-32 rows, kernel == XLA loops, then the
 # engine's decode step by sampling setting (benchmarks/sampling.py) for both trees.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
