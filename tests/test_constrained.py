@@ -248,3 +248,50 @@ def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, cap
     assert any("grammar masks:" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError):
         C.GrammarCompiler(None, 10, (), fill_mode="fastest")
+
+
+def test_a_repeated_constraint_copies_its_compiled_matcher(embedded_llm, monkeypatch):
+    """A constraint seen before is not compiled again: the request gets a copy of its start-state matcher. Copies are
+    independent (one advanced leaves the other at the start) and mask exactly as freshly compiled matchers do; the
+    cache keeps the most recently used constraints; a bad constraint is refused every time and never kept."""
+    import numpy as np
+
+    from jphoton import constraints as C
+
+    llm = embedded_llm
+    grammar = C.GrammarCompiler(llm.tokenizer, llm.config.vocab_size, llm._eos_ids())
+    W = C.mask_words(llm.config.vocab_size)
+
+    def mask_of(c):
+        m = np.full((1, W), -1, np.int32)
+        grammar.fill_masks([(c, 0)], m)
+        return m[0]
+
+    person = SamplingParams(json_schema=PERSON)
+    a, b = grammar.compile(person), grammar.compile(person)
+    assert grammar.template_hits == 1 and a.matcher is not b.matcher
+    ids = llm.tokenizer.encode('{"name":"Ada","age":36,"address":{"city":"Paris","zip":"75001"}}')
+    fresh = C.Constraint("json_schema", grammar._compile("json_schema", person.json_schema))
+    start = mask_of(fresh)
+    for t in ids[:6]:
+        assert a.matcher.consume_token(t) and fresh.matcher.consume_token(t)
+        np.testing.assert_array_equal(mask_of(a), mask_of(fresh))
+    np.testing.assert_array_equal(mask_of(b), start)  # b never moved
+    assert not np.array_equal(mask_of(a), start)
+
+    # another property order is another grammar (the output's field order): compiled, not copied
+    reordered = dict(PERSON, properties=dict(reversed(list(PERSON["properties"].items()))))
+    grammar.compile(SamplingParams(json_schema=reordered))
+    assert grammar.template_hits == 1
+
+    monkeypatch.setattr(C, "TEMPLATES", 2)
+    for pattern in ("[a-c]+", "[d-f]+", "[g-i]+"):
+        grammar.compile(SamplingParams(regex=pattern))
+    assert len(grammar._templates) == 2
+    grammar.compile(SamplingParams(regex="[g-i]+"))
+    grammar.compile(SamplingParams(regex="[a-c]+"))  # dropped (least recently used): compiled again
+    assert grammar.template_hits == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match="invalid regex"):
+            grammar.compile(SamplingParams(regex="(unclosed"))
+    assert ("regex", "(unclosed") not in grammar._templates
