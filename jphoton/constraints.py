@@ -1,5 +1,4 @@
-"""Constrained decoding on the host: one llguidance matcher per request (a copy of one compiled per distinct
-constraint), token bitmasks for many rows at once.
+"""Constrained decoding on the host: one llguidance matcher per request, token bitmasks for many rows at once.
 
 llguidance (Rust, no Python dependencies) compiles a JSON schema, regex or Lark/GBNF grammar against the tokenizer in
 about a millisecond and fills one int32 bitmask row (bit v of word v // 32 = token v allowed) per request in ~0.1 ms;
@@ -9,10 +8,8 @@ engine decides when masks are built and where they go.
 
 from __future__ import annotations
 
-import collections
 import logging
 import statistics
-import threading
 import time
 
 import numpy as np
@@ -35,11 +32,6 @@ FILL_MODES = ("auto", "parallel", "serial")
 AUTO_TRIALS = 16
 AUTO_MIN_ROWS = 4
 PROBE_STEPS = 4  # tokens a new constraint is walked at submission (GrammarCompiler._probe)
-# Compiled constraints kept as start-state matchers, least recently used dropped first. A request whose constraint was
-# seen before gets a deep copy (~2 us, against ~0.6 ms to build a matcher), and the copies share llguidance's lexer
-# cache: a state one row has computed is free for the others (one mask's cost inside `maxLength` strings is mostly
-# lexer states seen for the first time). docs/decisions.md, "Grammar templates".
-TEMPLATES = 64
 
 
 def mask_words(vocab_size: int) -> int:
@@ -61,9 +53,6 @@ class GrammarCompiler:
         self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
-        self._templates: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
-        self._templates_lock = threading.Lock()  # (requests are submitted from any thread)
-        self.template_hits = 0
 
     def _llguidance(self):
         import llguidance
@@ -88,24 +77,8 @@ class GrammarCompiler:
         spec = params.constraint
         if spec is None or spec[0] == "choice":
             return None
-        kind, value = spec
-        key = (kind, value)  # (text: SamplingParams holds a schema given as a dict as its JSON, in its key order)
-        with self._templates_lock:
-            template = self._templates.get(key)
-            if template is not None:
-                self._templates.move_to_end(key)
-                self.template_hits += 1
-        if template is None:
-            template = self._compile(kind, value)
-            with self._templates_lock:
-                self._templates[key] = template
-                while len(self._templates) > TEMPLATES:
-                    self._templates.popitem(last=False)
-        return Constraint(kind, template.deep_copy())
-
-    def _compile(self, kind: str, value):
-        """A new matcher in its start state for one constraint (ValueError if it is bad or cannot be served)."""
         llg = self._llguidance()
+        kind, value = spec
         try:
             if kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
@@ -125,7 +98,7 @@ class GrammarCompiler:
         error = self._probe(matcher)
         if error:
             raise ValueError(f"{kind} cannot be served: {_cut(error)}")
-        return matcher
+        return Constraint(kind, matcher)
 
     def _probe(self, matcher) -> str:
         """Walk a copy of the matcher PROBE_STEPS tokens in (the lowest allowed non-EOS token each time): a grammar that
