@@ -248,25 +248,3 @@ def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, cap
     assert any("grammar masks:" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError):
         C.GrammarCompiler(None, 10, (), fill_mode="fastest")
-
-
-def test_a_grammar_steps_draw_rides_in_the_next_steps_program(embedded_llm, monkeypatch):
-    """At depth 2 a grammar step's masked draw runs inside the next decode step's program (one launch per step, no
-    compile after warm-up); its tokens equal those of the draw dispatched alone, greedy and seeded, beside free rows."""
-    llm, runner = embedded_llm, embedded_llm.engine.runner
-    assert runner.fuses_masked and llm.engine.depth == 2
-    calls = []
-    real = runner._dispatch_masked
-    monkeypatch.setattr(runner, "_dispatch_masked", lambda *a, **k: calls.append(1) or real(*a, **k))
-    prompts = ["A person as JSON:", "Phone?", "Tell me a story.", "Colours?"]
-    params = [SamplingParams(max_tokens=60, temperature=0, json_schema=PERSON),
-              SamplingParams(max_tokens=30, temperature=0.9, seed=4, regex=PHONE),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.7, seed=6, json_schema=COLOURS)]
-    before = llm.stats()["num_compiles"]
-    fused = [o.token_ids for o in llm.generate(prompts, params)]
-    assert len(calls) >= 10 and llm.stats()["num_compiles"] == before
-    n = len(calls)
-    monkeypatch.setattr(runner, "fuses_masked", False)
-    alone = [o.token_ids for o in llm.generate(prompts, params)]
-    assert len(calls) == n and fused == alone  # (conftest checks that every page came back)

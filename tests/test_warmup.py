@@ -199,10 +199,8 @@ def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_w
     background = [s for s in shapes if s not in first_shapes(shapes, llm.engine.scheduler)]
     tasks = ([("step", s, False) for s in background] + [("step", s, True) for s in runner.filtered_shapes()]
              + [("sampler", v) for v in runner.sampler_variants()])
-    want = {key for t in tasks
-            for key in warmup.compile_worker.program_keys(t, runner.lora_enabled, runner.fuses_masked)}
+    want = {key for t in tasks for key in warmup.compile_worker.program_keys(t, runner.lora_enabled)}
     assert set(installed) == want and all(callable(p) for p in installed.values())
-    assert {key[1] for key in want if key[0] == "masked"} == set(runner.filtered_shapes())
     assert any(key[-1] is True for key in want if key[0] == "step") == (loras > 0)
     assert llm.warmup._worker.proc.poll() == 0
     greedy = SamplingParams(max_tokens=len(ref[0][1]), temperature=0, ignore_eos=True)

@@ -15,8 +15,8 @@ Protocol, frames of a little-endian u64 length + a pickle:
   serving -> worker (stdin):  a `Spec`; then ("want", task) puts a task first; EOF: stop after the compile in progress.
   worker -> serving (stdout): ("program", key, payload, in_tree, out_tree) for each program of a task, then
                               ("done", task); ("error", text) on a failure (and exit); ("end",) after the last task.
-A task is ("step", shape, filtered) or ("sampler", variant); a key is ("step", shape, filtered, lora), ("masked",
-shape) or ("sampler", variant) (`Runner.install`).
+A task is ("step", shape, filtered) or ("sampler", variant); a key is ("step", shape, filtered, lora) or ("sampler",
+variant) (`Runner.install`).
 """
 
 from __future__ import annotations
@@ -112,13 +112,10 @@ def read_frame(f: BinaryIO):
     return pickle.loads(data)
 
 
-def program_keys(task: tuple, lora_enabled: bool, fuses_masked: bool = False) -> list[tuple]:
-    """The `Runner.install` keys of a task's programs, in `Runner.lower_step`'s order: a filtered task also holds the
-    masked sampler fused with the step (("masked", shape)) where the runner has one (`Runner.fuses_masked`)."""
+def program_keys(task: tuple, lora_enabled: bool) -> list[tuple]:
     if task[0] == "sampler":
         return [task]
-    keys = [(*task, lora) for lora in ((False, True) if lora_enabled else (False,))]
-    return keys + [("masked", task[1])] if task[2] and fuses_masked else keys
+    return [(*task, lora) for lora in ((False, True) if lora_enabled else (False,))]
 
 
 class CompileWorker:
@@ -207,7 +204,7 @@ def _serve(spec: Spec, stdin: BinaryIO, out: BinaryIO) -> None:
         return runner.lower_step(task[1], filtered=task[2])
 
     def compile_and_send(task, lowered):
-        for key, program in zip(program_keys(task, runner.lora_enabled, runner.fuses_masked), lowered, strict=True):
+        for key, program in zip(program_keys(task, runner.lora_enabled), lowered, strict=True):
             payload, in_tree, out_tree = serialize(program.compile())
             write_frame(out, ("program", key, payload, in_tree, out_tree))
         write_frame(out, ("done", task))

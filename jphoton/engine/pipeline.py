@@ -17,8 +17,7 @@ One tick at pipeline depth 2 (the default), step t already on the device:
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
   not. A step with grammar rows is launched forward-only (logits kept on the device); after commit t the matchers
   advance, the masks are filled and the step is sampled ("finalized"). The step after it is planned first, so that its
-  input rides in the masked sampler's transfer (one host->device copy per step), and on one device the draw itself runs
-  in that step's program at its launch (one launch per step: step.masked_step). Steps whose rows are all free sample
+  input rides in the masked sampler's transfer (one host->device copy per step). Steps whose rows are all free sample
   inside the forward, so they run a step ahead.
 
 Invariants: a slot is reused only after the commit that read it; only the latest launched step can be finalized (the
@@ -165,7 +164,7 @@ class Engine:
         # first, so that its input rides in the sampler's transfer
         if self.inflight and self.inflight[-1].awaiting_mask:
             self.ahead = self._plan()
-            self._finalize(self.inflight[-1], fuse=True)
+            self._finalize(self.inflight[-1])
         if (self.refreeze_gc and compiles.num_compiles() != self._compiles_seen
                 and not self.compiling_in_background()):
             self._refreeze_gc()
@@ -195,10 +194,9 @@ class Engine:
         rec.t_launched = self.telemetry.now()
         self.num_steps += 1
 
-    def _finalize(self, slot: DecodeSlot, fuse: bool = False) -> None:
+    def _finalize(self, slot: DecodeSlot) -> None:
         """Fill the grammar rows' masks (every token before the step is committed, so each matcher is in the state its
-        row needs) and sample the step; a step planned ahead sends its input along in the same transfer. fuse: that
-        step is the next launch, which may run the draw in its own program (Runner.finalize)."""
+        row needs) and sample the step; a step planned ahead sends its input along in the same transfer."""
         now = self.telemetry.now
         plan, rec = slot.step.plan, slot.step.record
         rec.t_finalize = now()
@@ -208,7 +206,7 @@ class Engine:
                 and not r.seq.constraint.failed]  # zombies and failed rows keep the all-ones row
         self.grammar.fill_masks(rows, inp.mask)
         rec.t_masked = now()
-        self.runner.finalize(slot, inp, then=self.ahead, fuse=fuse)
+        self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
         rec.t_finalized = now()
 
     # ---- commit ----------------------------------------------------------------------------------------------------

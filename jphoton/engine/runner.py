@@ -30,7 +30,6 @@ from jphoton.engine.step import (
     StepLayout,
     StepStatic,
     engine_step,
-    masked_step,
     resample,
     sampler_input_size,
 )
@@ -174,14 +173,6 @@ class Runner:
         self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
         self._last_launched: DecodeSlot | None = None
-        # One program per decode bucket for a grammar step's masked sampling and the next step's forward
-        # (step.masked_step; `finalize(fuse=True)` leaves the draw to the next `launch`). One device only: a
-        # tensor-parallel engine keeps the two launches. Compiled with the bucket's filtered variant (filtered_ready).
-        self.fuses_masked = self.tp is None
-        self._masked_step = jax.jit(
-            functools.partial(masked_step, functools.partial(step, filtered=False, lora=False)), static_argnums=(0,),
-            donate_argnums=(2, 4, 5, 6), in_shardings=on_device, out_shardings=on_device)
-        self._fused_draw: tuple[DecodeSlot, SamplerInput, PlannedStep] | None = None  # finalized, drawn at launch
 
         def spec(a):  # abstract arguments for ahead-of-time compiles (shape, dtype, sharding of the live buffers)
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
@@ -203,10 +194,6 @@ class Runner:
             self._write_inline.lower(self._step_specs[0], index, blocks).compile()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
                                spec(self.carrier))
-        masked_input = self._sampler_input(SamplerVariant(False, 0, True)).buffer
-        self._masked_specs = (*self._step_specs[:2], spec(slot.logits), spec(slot.tokens), spec(slot.tokens),
-                              spec(slot.logits),
-                              jax.ShapeDtypeStruct(masked_input.shape, jnp.int32, sharding=self._sharding))
 
     def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
         if self.abstract:
@@ -219,8 +206,8 @@ class Runner:
         return jax.device_put(host, self.device)
 
     def install(self, key: tuple, program: jax.stages.Compiled) -> None:
-        """Use `program` (compiled elsewhere: engine/compile_worker.py) for ("step", shape, filtered, lora),
-        ("masked", shape) or ("sampler", variant) instead of the jitted function's own compile."""
+        """Use `program` (compiled elsewhere: engine/compile_worker.py) for ("step", shape, filtered, lora) or
+        ("sampler", variant) instead of the jitted function's own compile."""
         self._programs[key] = program
 
     def _sharded_step(self, step, param_specs):
@@ -276,18 +263,12 @@ class Runner:
 
     def lower_step(self, shape: StepShape, filtered: bool = False) -> list:
         """`compile_step`'s first half, the Python trace (holds the GIL): its programs, lowered, to `.compile()` (XLA,
-        releases the GIL) later or on another thread. filtered: the top-k / top-p variants and, on one device, the
-        masked sampler fused with this step (`masked_step`), in compile_worker.program_keys's order."""
-        lowered = [self._steps[filtered, lora].lower(shape, *(self._step_specs if lora
-                                                              else (*self._step_specs[:-1], None)))
-                   for lora in ((False, True) if self.lora_enabled else (False,))]
-        if filtered and self.fuses_masked:
-            lowered.append(self._masked_step.lower(shape, *self._masked_specs))
-        return lowered
+        releases the GIL) later or on another thread."""
+        return [self._steps[filtered, lora].lower(shape, *(self._step_specs if lora else (*self._step_specs[:-1], None)))
+                for lora in ((False, True) if self.lora_enabled else (False,))]
 
     def filtered_shapes(self) -> list[StepShape]:
-        """The shapes that have a top-k / top-p variant and a masked-sampler fusion: decode-only steps (two more
-        programs per decode bucket)."""
+        """The shapes that have a top-k / top-p variant: decode-only steps (one more program per decode bucket)."""
         return [s for s in self.sched.all_shapes() if not s.prefill_rows]
 
     def compile_sampler(self, variant: SamplerVariant) -> None:
@@ -391,10 +372,6 @@ class Runner:
         """Dispatch the step into the next free slot and start copying its tokens to the host. Never waits.
         defer_sampling: the step has grammar rows, whose tokens are drawn by `finalize` once their masks exist; the
         forward (and the logits) run now all the same."""
-        fused, self._fused_draw = self._fused_draw, None
-        if fused is not None and fused[2] is not step:  # (not the step it was finalized for: draw it alone first)
-            self._draw_alone(fused)
-            fused = None
         slot = self._take_slot()
         assert slot.step is None, "slot reused before the commit that reads it"
         self._last_launched = slot
@@ -405,58 +382,32 @@ class Runner:
         slot.sampler = second.variant if second is not None else None
         inp = step.input
         self.input_transfers += (inp.packed is not None) + (second is not None)
-        if fused is not None:  # the grammar step before this one is drawn in this step's program
-            sampled, sampler_input, _ = fused
-            self._dispatch_masked(sampled, sampler_input.buffer, slot, inp.shape, step.record)
-            self._copy_to_host(sampled)
-        else:
-            self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record,
-                                filtered=in_step, lora=self.uses_lora(step.plan))
+        self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record,
+                            filtered=in_step, lora=self.uses_lora(step.plan))
         if second is not None:
             self._resample_into(slot, second.variant, second.buffer)
         if not defer_sampling:
             self._copy_to_host(slot)
         return slot
 
-    def finalize(self, slot: DecodeSlot, inp: SamplerInput, then: PlannedStep | None = None,
-                 fuse: bool = False) -> None:
+    def finalize(self, slot: DecodeSlot, inp: SamplerInput, then: StepInput | None = None) -> None:
         """Sample a deferred step with its grammar masks (`inp` from `sampler_input(plan, masked=True)`, mask rows
         filled), then start its host copy. Only the latest launched step can be finalized: the next launch reads its
-        tokens. then: the next step, if already planned: its input rides in this transfer to the runner's carrier,
-        and `then.input.packed` becomes None, so that the step costs no transfer of its own. fuse: `then` is the next
-        launch; where it can (`can_fuse`), the draw is left to that launch, which runs it and the step as one program.
-        Either way the tokens are the same."""
+        tokens. then: the next step's input, if already planned: it rides in this transfer to the runner's carrier,
+        and `then.packed` becomes None, so that the step costs no transfer of its own."""
         assert slot.awaiting_mask and slot is self._last_launched, "finalize out of order"
         assert inp.variant.masked, "finalize needs a masked sampler input"
-        nxt = then.input if then is not None else None
-        if nxt is not None and nxt.packed is not None and nxt.packed.size == inp.carrier.size:
-            inp.carrier[:] = nxt.packed
-            nxt.packed = None
+        if then is not None and then.packed is not None and then.packed.size == inp.carrier.size:
+            inp.carrier[:] = then.packed
+            then.packed = None
         slot.awaiting_mask, slot.sampler = False, inp.variant
         self.input_transfers += 1
-        if fuse and nxt is not None and nxt.packed is None and self.can_fuse(inp.variant, then.plan):
-            self._fused_draw = (slot, inp, then)
-            return
-        self._draw_alone((slot, inp, then))
-
-    def can_fuse(self, variant: SamplerVariant, plan: StepPlan) -> bool:
-        """A masked draw (no filters, no logprobs) can ride in the next step's program: a decode step without LoRA rows
-        or in-step filters whose fused program exists (or, before warm-up, may compile now)."""
-        return (self.fuses_masked and variant == SamplerVariant(False, 0, True) and not plan.shape.prefill_rows
-                and not self.uses_lora(plan) and not self.wants_filters(plan)
-                and (self.filtered_ready is None or plan.shape in self.filtered_ready))
-
-    def _draw_alone(self, fused: tuple[DecodeSlot, SamplerInput, PlannedStep | None]) -> None:
-        slot, inp, _ = fused
         self._resample_into(slot, inp.variant, inp.buffer)
         self._copy_to_host(slot)
 
     def fetch(self, slot: DecodeSlot) -> StepResult:
         """Wait for the slot's host copy (an explicit transfer) and free the slot."""
         assert not slot.awaiting_mask, "a deferred step must be finalized before its commit"
-        if self._fused_draw is not None and self._fused_draw[0] is slot:  # its next launch never came: draw it now
-            fused, self._fused_draw = self._fused_draw, None
-            self._draw_alone(fused)
         want_lp = bool(slot.sampler and slot.sampler.logprobs)
         tokens = jax.device_get(slot.host_views[0])
         lp, ids = (jax.device_get(slot.host_views[1]), jax.device_get(slot.host_views[2])) if want_lp else (None, None)
@@ -508,21 +459,6 @@ class Runner:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
 
-    def _dispatch_masked(self, sampled: DecodeSlot, buffer: np.ndarray, slot: DecodeSlot, shape: StepShape,
-                         record: StepRecord | None = None) -> None:
-        """Draw `sampled`'s tokens with their masks and run the next step into `slot`, as one program (`masked_step`):
-        one host->device copy (the sampler input, carrying the step's packed input), outputs and KV donated."""
-        if record is not None:
-            record.t_put = time.perf_counter()
-        program = self._programs.get(("masked", shape))
-        fn = functools.partial(self._masked_step, shape) if program is None else program
-        with _input_transfer():
-            sampled.tokens, slot.tokens, slot.logits, self.kv = fn(self.params, self.kv, sampled.logits, sampled.tokens,
-                                                                   slot.tokens, slot.logits, buffer)
-        if record is not None:
-            record.t_dispatched = time.perf_counter()
-        self._prev_tokens = slot.tokens
-
     def _on_mesh(self, host: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
         """Under tensor parallelism a host input is put on the mesh first: a jitted call given a host array and one
         given a device array (the grammar sampler's carrier) would otherwise be two executables, only one of them
@@ -535,20 +471,13 @@ class Runner:
     def first_run(self, key: tuple) -> None:
         """Run one compiled program once, on padding rows (trash page, no carry-over), and wait for it: a program's
         first execution in a process costs far more than the later ones (a 1B decode step up to 390 ms on an H100,
-        lab/probes/first_run.py), and this way warm-up pays it, not a request. key: ("step", shape, filtered, lora),
-        ("masked", shape) or ("sampler", variant), as `install`'s. Only for an idle engine (it uses the decode slots)."""
+        lab/probes/first_run.py), and this way warm-up pays it, not a request. key: ("step", shape, filtered, lora)
+        or ("sampler", variant), as `install`'s. Only for an idle engine (it uses the decode slots)."""
         if key[0] == "step":
             _, shape, filtered, lora = key
             slot = self._take_slot()
             self._dispatch_into(slot, shape, self.layout(shape).empty(self.static.trash_page)["_buffer"],
                                 filtered=filtered, lora=lora)
-        elif key[0] == "masked":  # the draw on the last step's slot, the step into the next
-            inp = self._sampler_input(SamplerVariant(False, 0, True))
-            empty = self.layout(key[1]).empty(self.static.trash_page)["_buffer"]
-            inp.carrier[:empty.size] = empty
-            sampled = self.slots[self._next_slot ^ 1]
-            slot = self._take_slot()
-            self._dispatch_masked(sampled, inp.buffer, slot, key[1])
         else:  # on the slot of the last step, as in serving (the next step must not take the slot it carries from)
             slot = self.slots[self._next_slot ^ 1]
             self._resample_into(slot, key[1], self._sampler_input(key[1]).buffer)

@@ -199,33 +199,10 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     reads it always finds it at the same address, and nothing is allocated per step). Every row is re-sampled
     from its own key, so a free row draws what the fused sampler drew. Logprobs are those of the raw model
     distribution (before temperature and mask). Returns (tokens, logprobs, top_ids, carrier_buf)."""
-    if filtered or masked:
-        tokens = _draw(filtered, masked, logits, inputs)
-    if num_logprobs:
-        logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
-    carrier = _carrier(masked, logits, inputs)
-    if carrier.size:
-        carrier_buf = jax.lax.dynamic_update_slice(carrier_buf, carrier, (0,))
-    return tokens, logprobs_buf, top_ids_buf, carrier_buf
-
-
-def masked_step(step: Callable, shape: StepShape, params, kv, logits, tokens, out_tokens, out_logits, inputs):
-    """A grammar step's masked sampling and the next step's forward as one program: the second sampler's draw (masks,
-    no filters, no logprobs) over `logits` into `tokens`, then `step` (engine_step without filters or LoRA) with those
-    tokens as its carry-over and the carrier part of `inputs` as its packed input. The same tokens as the sampler then
-    the step dispatched one after the other, for one launch instead of two: on the H100 host the step that consumed a
-    sampler dispatched just before cost ~1 ms to dispatch against ~0.4-0.6 ms for a step alone (docs/lab-log.md,
-    "What a dispatch costs the host"). Returns (tokens, out_tokens, out_logits, kv)."""
-    tokens = _draw(False, True, logits, inputs)
-    out_tokens, out_logits, kv = step(shape, params, kv, tokens, out_tokens, out_logits, _carrier(True, logits, inputs))
-    return tokens, out_tokens, out_logits, kv
-
-
-def _draw(filtered: bool, masked: bool, logits, inputs):
-    """The second sampler's tokens: every row from its own key, after its mask (masked) and filters (filtered)."""
     R, V = logits.shape
     W = -(-V // 32) if masked else 0
     rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
+    carrier = inputs[R * (W + SAMPLER_ROW_FIELDS):]
     temperature = jax.lax.bitcast_convert_type(rows[:, 0], jnp.float32)
     top_p = jax.lax.bitcast_convert_type(rows[:, 2], jnp.float32)
     key = jax.lax.bitcast_convert_type(rows[:, 3:5], jnp.uint32)
@@ -233,14 +210,14 @@ def _draw(filtered: bool, masked: bool, logits, inputs):
     if masked:
         scores = jnp.where(unpack_bitmask(inputs[:R * W].reshape(R, W), V), logits, -jnp.inf)
     if filtered:
-        return sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5])
-    return sample_plain(scores, temperature, key, rows[:, 5])
-
-
-def _carrier(masked: bool, logits, inputs):
-    """The carrier part of a second sampler's input (the next step's packed input; empty unless masked)."""
-    R, V = logits.shape
-    return inputs[R * ((-(-V // 32) if masked else 0) + SAMPLER_ROW_FIELDS):]
+        tokens = sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5])
+    elif masked:
+        tokens = sample_plain(scores, temperature, key, rows[:, 5])
+    if num_logprobs:
+        logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
+    if carrier.size:
+        carrier_buf = jax.lax.dynamic_update_slice(carrier_buf, carrier, (0,))
+    return tokens, logprobs_buf, top_ids_buf, carrier_buf
 
 
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:

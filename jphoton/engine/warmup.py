@@ -178,8 +178,7 @@ class Warmup:
                      + [("sampler", v) for v in self.samplers])
         else:  # (scheduler.ready is a frozenset the warm-up thread replaces whole: safe to read here)
             tasks = [("step", s, False) for s in self.scheduler.ready or ()]
-        return [key for t in tasks
-                for key in compile_worker.program_keys(t, self.runner.lora_enabled, self.runner.fuses_masked)]
+        return [key for t in tasks for key in compile_worker.program_keys(t, self.runner.lora_enabled)]
 
     def stats(self) -> dict:
         filtered = len(self.runner.filtered_ready or ()) if self.mode != "off" else 0
