@@ -398,7 +398,9 @@ def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p
     the prephase settled only stores its answer; None: `programs_per_row`, 1 in interpret mode, which runs programs
     one after another and so cannot wait at a barrier). unroll: blocks whose loads a sweep issues together (None: 2
     where a program sweeps at least 4 count blocks, as at 32 rows; 1 below, where it only cost time). compact_cap:
-    a top-k row's search reads only its entries >= its lower bound once they are at most this many."""
+    a top-k row's search reads only its entries >= its lower bound once they are at most this many. block: sweeps of
+    8192 spilled registers (ptxas) and made the compacted search slower than the whole-row one; at 2048, top_k 50 over
+    [32, 128256] took 124 us on the H100 against 149 (docs/decisions.md, top-k section)."""
     if scaled.ndim != 2 or noisy.shape != scaled.shape:
         raise ValueError(f"scaled and noisy must be the same [R, V]; got {scaled.shape}, {noisy.shape}")
     R, V = scaled.shape
