@@ -416,17 +416,19 @@ def filtered_sample(scaled: jax.Array, noisy: jax.Array, top_k: jax.Array, top_p
     block = max(256, min(block, 1 << (V.bit_length() - 1), 1 << max(share - 1, 1).bit_length()))
     count_block = min(count_block, block)
     if unroll is None:
-        # H100, [32, 128256] (4 programs a row), top_k 50: 173 -> 151 us with 2, 155 with 4; [1, 128256]: 43 -> 45.5
+        # H100, [32, 128256] (4 programs a row, blocks of 8192), top_k 50: 173 -> 151 us with 2, 155 with 4; [1, 128256]:
+        # 43 -> 45.5
         unroll = 2 if share >= 4 * count_block else 1
     log_once(log, ("filtered_sample", interp, R, V, programs), "filtered_sample [%d, %d], %d programs a row, %d blocks "
              "a load: %s", R, V, programs, unroll, "Pallas interpret mode (no GPU)" if interp else "Pallas Triton on GPU")
     top_p = top_p.astype(jnp.float32)
     m, m_low, (lo, hi, cand, done, target) = prephase(scaled, noisy, top_p)
+    cap = min(compact_cap, V)  # (a row never holds more: the same search, a smaller buffer for a small vocabulary)
     kernel = functools.partial(_kernel, V=V, block=block, count_block=count_block, programs=programs,
-                               unroll=unroll, cap=compact_cap, interpret=interp)
+                               unroll=unroll, cap=cap, interpret=interp)
     parts = jnp.zeros((2, R, programs, 8), jnp.float32)
     # each program's compacted entries, then count_block slots that unselected lanes' (masked) writes point at
-    compact = (R, programs, -(-compact_cap // block) * block + count_block)
+    compact = (R, programs, -(-cap // block) * block + count_block)
     sync = jnp.zeros((R, programs + 1), jnp.int32)  # per row: each program's sweep count, then the arrivals
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
