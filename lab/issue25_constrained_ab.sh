@@ -1,7 +1,6 @@
 #!/bin/bash
 # Issue 25: a constrained-decoding change (the working tree) against the commit before it (.ab/main: `git archive` of
-# it), benchmarks/constrained.py JSON schema
-# at 8 and 32 streams, main / new / main / new (RUNS) in one device call (carry .whl, .ab, benchmarks/assets).
+# it), benchmarks/constrained.py JSON schema at 8 and 32 streams, main / new / main / new (RUNS) in one device call (carry .whl, .ab, benchmarks/assets).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > /dev/null 2>&1
 export JPHOTON_CACHE_DIR=/tmp/jphoton-cache PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
