@@ -368,7 +368,7 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
     """Issue 24 item 1 for `serve(llm)` (engine thread, event loop and preparation share one process and its GIL): a
     15 MB prompt that the limits admit is refused without tokenizing (it cannot fit the context); a 2 MB one is
     tokenized in the helper process, then refused for its length. Meanwhile another stream's largest gap stays within
-    4x its undisturbed one and health checks answer within 250 ms."""
+    3x its undisturbed one and health checks answer within 250 ms."""
     from jphoton.engine.config import Limits
 
     llm = srv.llm
@@ -406,15 +406,15 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
             poller.join()
             return code, max(checks)
 
-        quiet, _ = gaps()
+        # the undisturbed largest gap of two runs: one run's on the busy 2-core CI box once came to 80 ms and the
+        # prepared run's to 244 (2026-11-28); the stall this guards against held the stream for seconds
+        quiet = max(gaps()[0], gaps()[0])
         busy, [(code, slowest_health)] = gaps(hostile)
     finally:
         llm.engine_config = saved
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert slowest_health < 0.25, f"a health check took {slowest_health * 1e3:.0f} ms"
-    # 4x, not 3x: on the 2-core CI box the 15 MB case once gave 244 ms against 80 undisturbed (2026-11-28); the stall
-    # this guards against held the stream for seconds. 2 MB: the helper process also takes one of the 2 cores.
-    bound = 4
+    bound = 3 if megabytes == 15 else 4  # 2 MB: the helper process takes one of the 2 CI cores (test_engine_process)
     assert busy <= bound * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
     srv.wait_idle()
 
