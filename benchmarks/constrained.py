@@ -12,6 +12,8 @@ max_tokens before the constraint closed are counted apart (`truncated`); `valid`
                    sampler; schema: fused + the masked sampler)
   idle             period - device: what the GPU waits per step
   mask             median time to fill the step's bitmasks (llguidance, parallel over rows)
+  paths            device: each constraint's automaton in the device tables, sampled inside the step (the default
+                   engine); host: llguidance's masks built on the host, sampled after the previous commit
   host             median host time per step: plan + launch + commit + finalize
 
     python benchmarks/constrained.py --model random:llama3.2-1b:vocab=49152 \
@@ -24,6 +26,7 @@ installed; on a machine without it, write it first and carry it:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
@@ -76,6 +79,7 @@ PHASES = {  # host phases of a step: (start, end) telemetry fields
 def summarize(run: dict, timeline: list[dict]) -> dict:
     decode = [r for r in timeline if r["kind"] == "decode"]
     guided = [r for r in timeline if r["constrained_rows"]]
+    on_device = [r for r in timeline if r.get("automaton_rows") and not r["constrained_rows"]]
 
     def span(r, phase):
         a, b = PHASES[phase]
@@ -87,7 +91,9 @@ def summarize(run: dict, timeline: list[dict]) -> dict:
                 host_ms=1e3 * statistics.median(host), phases_ms=phases,
                 mask_ms=1e3 * statistics.median([span(r, "mask_fill") for r in guided]) if guided else 0.0,
                 finalize_ms=1e3 * statistics.median([r["t_finalized"] - r["t_finalize"] for r in guided])
-                if guided else 0.0, steps=run["steps"], constrained_steps=len(guided))
+                if guided else 0.0, steps=run["steps"], constrained_steps=len(guided), automaton_steps=len(on_device),
+                mean_period_ms=run["mean_period_ms"], wall_s=run["wall_s"],
+                kind_periods_ms={k: (n, round(1e3 * p, 3)) for k, (n, p) in run["kind_periods"].items()})
 
 
 def main(argv=None):
@@ -102,6 +108,10 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine option (default: LLM's, or the streams)")
     ap.add_argument("--export-tokenizer", metavar="DIR", help="write the embedded model's tokenizer to DIR and exit")
     ap.add_argument("--constraints", nargs="+", default=["schema", "coords"], choices=["schema", "coords"])
+    ap.add_argument("--timelines", action="store_true", help="write each run's step timeline to --out")
+    ap.add_argument("--paths", nargs="+", default=["device", "host"], choices=["device", "host"],  # (may repeat)
+                    help="device: automata sampled in the step (the default engine; the first is the row's 'schema'); "
+                         "host: llguidance's masks on the host")
     add_llm_args(ap)
     args = ap.parse_args(argv)
     if args.export_tokenizer:
@@ -123,40 +133,81 @@ def main(argv=None):
             def guided(i, kind=kind):
                 return SamplingParams(max_tokens=args.max_tokens, temperature=0, **constraint[kind])
 
-            # warm both paths: a step program's first runs in a process cost more than later ones (the first free
-            # closed loop ran at 0.2-0.4x of the same loop later, 2026-11-27)
-            closed_loop(llm, n, 1, seed=99, prompt_len=PROMPT, make_params=guided)
-            closed_loop(llm, n, 1, seed=98, prompt_len=PROMPT, lengths=(40, 60))
-            g = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=guided)
+            runs = {}
+            for k, path in enumerate(args.paths):  # device automata (the default engine) / llguidance's host masks
+                label = path if path not in args.paths[:k] else f"{path}{args.paths[:k].count(path) + 1}"
+                with _masks(llm, path, guided(0)):
+                    # warm both paths: a step program's first runs in a process cost more than later ones (the first
+                    # free closed loop ran at 0.2-0.4x of the same loop later, 2026-11-27)
+                    closed_loop(llm, n, 1, seed=99, prompt_len=PROMPT, make_params=guided)
+                    closed_loop(llm, n, 1, seed=98, prompt_len=PROMPT, lengths=(40, 60))
+                    runs[label] = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT,
+                                              make_params=guided)
+            g = runs[args.paths[0]]
             lengths = g["lengths"]
             done = [o for o in g["outputs"] if o["finish_reason"] == "stop"]
             valid = sum(_is_valid(kind, o["text"]) for o in done)
             samples += [o["text"] for o in g["outputs"][:2]]
+            # requests whose tokens differ from the first path's (bf16 on a GPU: a closed loop's batches differ from
+            # run to run, and a near tie can flip; repeat a path, e.g. --paths device host device, to see that noise)
+            differ = {label: sum(a["token_ids"] != b["token_ids"] for a, b in zip(g["outputs"], r["outputs"],
+                                                                                  strict=True))
+                      for label, r in runs.items()}
 
             def free(i, lengths=lengths):
                 return SamplingParams(max_tokens=max(1, lengths[i]), temperature=0, ignore_eos=True)
 
             f = closed_loop(llm, n, args.requests_per_stream, seed=n, prompt_len=PROMPT, make_params=free)
-            gs, fs = summarize(g, g["timeline"]), summarize(f, f["timeline"])
+            fs = summarize(f, f["timeline"])
+            by_path = {path: summarize(r, r["timeline"]) for path, r in runs.items()}
+            gs = by_path[args.paths[0]]
             dev_free, dev_guided = llm.device_step_ms(n), llm.device_step_ms(n, sampler="masked")
-            row = dict(constraint=kind, streams=n, schema=gs, free=fs, ratio=gs["tok_s"] / fs["tok_s"],
-                       device_free_ms=dev_free, device_schema_ms=dev_guided,
+            dev_filtered = llm.device_step_ms(n, sampler="filtered")
+            row = dict(constraint=kind, streams=n, paths=list(args.paths), schema=gs, free=fs,
+                       ratio=gs["tok_s"] / fs["tok_s"], requests_differing=differ,
+                       device_free_ms=dev_free, device_schema_ms=dev_guided, device_filtered_ms=dev_filtered,
                        idle_free_ms=max(0.0, fs["period_ms"] - dev_free),
                        idle_schema_ms=max(0.0, gs["period_ms"] - dev_guided), mean_len=float(np.mean(lengths)),
                        valid=valid, truncated=len(g["outputs"]) - len(done), requests=len(g["outputs"]))
+            for path, ps in by_path.items():
+                row[path] = ps
+                row[f"ratio_{path}"] = ps["tok_s"] / fs["tok_s"]
             rows.append(row)
-            print(f"{kind} {n:2d} streams: {gs['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s = "
-                  f"{row['ratio']:.1%}; period {gs['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; device "
-                  f"{dev_guided:.3f} vs {dev_free:.3f} ms; idle {row['idle_schema_ms']:.3f} vs "
-                  f"{row['idle_free_ms']:.3f} ms; mask {gs['mask_ms']:.3f} ms, finalize {gs['finalize_ms']:.3f} ms, "
-                  f"host {gs['host_ms']:.3f} vs {fs['host_ms']:.3f} ms; phases (ms) "
-                  f"{ {k: round(v, 3) for k, v in gs['phases_ms'].items()} }; mean len {row['mean_len']:.0f}; "
-                  f"valid {valid}/{len(done)} complete, {row['truncated']} truncated", flush=True)
+            if args.timelines:  # every step's host timestamps (engine/telemetry.py), for benchmarks/plot_timeline.py
+                for label, r in [*runs.items(), ("free", f)]:
+                    write_json(f"{args.out}/timeline_{kind}_{n}_{label}.json", r["timeline"])
+            for path, ps in by_path.items():
+                print(f"{kind} {n:2d} streams, {path} masks: {ps['tok_s']:.0f} tok/s vs free {fs['tok_s']:.0f} tok/s "
+                      f"= {ps['tok_s'] / fs['tok_s']:.1%}; period {ps['period_ms']:.3f} vs {fs['period_ms']:.3f} ms; "
+                      f"device steps: free {dev_free:.3f}, filtered variant {dev_filtered:.3f}, + masked sampler "
+                      f"{dev_guided:.3f} ms; steps sampled on the device {ps['automaton_steps']}/{ps['steps']}, at "
+                      f"finalize {ps['constrained_steps']}; mean period {ps['mean_period_ms']:.3f} vs "
+                      f"{fs['mean_period_ms']:.3f} ms, by kind {ps['kind_periods_ms']} vs {fs['kind_periods_ms']}; "
+                      f"mask {ps['mask_ms']:.3f} ms, host {ps['host_ms']:.3f} vs "
+                      f"{fs['host_ms']:.3f} ms; phases (ms) { {k: round(v, 3) for k, v in ps['phases_ms'].items()} }",
+                      flush=True)
+            print(f"{kind} {n:2d} streams: mean len {row['mean_len']:.0f}; valid {valid}/{len(done)} complete, "
+                  f"{row['truncated']} truncated; requests whose tokens differ from the first path's: {differ}",
+                  flush=True)
     print("sample outputs:", *samples[:3], sep="\n  ")
     write_json(f"{args.out}/constrained.json", {"info": info, "model": args.model, "schema": SCHEMA, "coords": COORDS,
                                                 "rows": rows,
                                                 "samples": samples[:4]})
     return rows
+
+
+@contextlib.contextmanager
+def _masks(llm, path: str, params: SamplingParams):
+    """Serve the constraint from its device automaton (built first) or from llguidance's host masks."""
+    states = llm.engine.runner.automaton_states
+    if path == "device":
+        llm.grammar.compile(params, wait_automaton=True)
+    else:
+        llm.grammar.use_automata(0)
+    try:
+        yield
+    finally:
+        llm.grammar.use_automata(states)
 
 
 def export_tokenizer(path: str) -> None:

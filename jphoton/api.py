@@ -333,16 +333,17 @@ class LLM:
                        lora_rows: int = 0) -> float:
         """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the
         device's own step time, which the pipelined loop should match. Each row attends over `context` tokens (0:
-        padding rows); sampler="masked" adds the grammar sampler after each step; lora_rows: that many rows use LoRA
-        slots 0, 1, ... in turn (the step's LoRA variant; needs max_loras). Needs an idle engine (it overwrites
-        KV pages, so the prefix cache is emptied first); compiles the shape if warm-up did not."""
-        if sampler not in (None, "masked"):
-            raise ValueError(f"sampler must be None or 'masked', got {sampler!r}")
+        padding rows); sampler="masked" adds the grammar sampler after each step, "filtered" runs the step's filtered
+        variant (top-k / top-p and device automata sample in it); lora_rows: that many rows use LoRA slots 0, 1, ... in
+        turn (the step's LoRA variant; needs max_loras). Needs an idle engine (it overwrites KV pages, so the prefix
+        cache is emptied first); compiles the shape if warm-up did not."""
+        if sampler not in (None, "masked", "filtered"):
+            raise ValueError(f"sampler must be None, 'masked' or 'filtered', got {sampler!r}")
         if self.has_unfinished_requests():
             raise RuntimeError("device_step_ms needs an idle engine: requests are still live")
         self.reset_prefix_cache()  # the timed steps write over pages, cached prefixes' included
         return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked",
-                                                          lora_rows=lora_rows)
+                                                          lora_rows=lora_rows, filtered=sampler == "filtered")
 
     # ---- the engine loop for generate/stream (synchronous: runs in the caller's thread) ------------------------------
     def _stream(self, seq: Sequence) -> Iterator[Delta]:

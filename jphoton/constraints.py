@@ -8,6 +8,7 @@ engine decides when masks are built and where they go.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -53,6 +54,13 @@ class GrammarCompiler:
         self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
+        self.automata = None  # jphoton.automaton.AutomatonCache once the engine has device tables (`use_automata`)
+        self._automata_states = 0
+
+    def use_automata(self, table_states: int) -> None:
+        """The engine keeps device automaton tables of this many states (0: none): regular constraints get an
+        automaton (built on first use, jphoton/automaton.py)."""
+        self._automata_states = table_states if self._tokenizer is not None else 0
 
     def _llguidance(self):
         import llguidance
@@ -71,14 +79,38 @@ class GrammarCompiler:
             self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name the problem, not the state
         return llguidance
 
-    def compile(self, params: SamplingParams) -> Constraint | None:
+    def compile(self, params: SamplingParams, wait_automaton: bool = False) -> Constraint | None:
         """Compile the request's constraint; a bad schema/regex/grammar is a ValueError here, at submission. A `choice`
-        compiles to nothing: its options are scored as sequences (engine/choice.py)."""
+        compiles to nothing: its options are scored as sequences (engine/choice.py). wait_automaton: build the device
+        automaton now if the constraint has one (by default the first request starts its build and is served by
+        llguidance meanwhile)."""
         spec = params.constraint
         if spec is None or spec[0] == "choice":
             return None
-        llg = self._llguidance()
         kind, value = spec
+        key = (kind, value)
+        if self._automata_states and self.automata is not None and not wait_automaton:
+            # A constraint whose automaton is built was compiled and checked before: no llguidance work per request
+            # (~1.5 ms of the engine thread's time for a JSON schema), unless the engine falls back to host masks.
+            automaton = self.automata.built(key)
+            if automaton is not None:
+                constraint = Constraint(kind, None, functools.partial(self._matcher, kind, value))
+                constraint.automaton_key, constraint.automaton = key, automaton
+                return constraint
+        grammar, matcher = self._matcher(kind, value, probe=True)
+        constraint = Constraint(kind, matcher)
+        if self._automata_states and kind in ("regex", "json_schema"):
+            llg = self._llguidance()
+            constraint.automaton_key = key
+            constraint.automaton = self._automaton(kind, value, wait_automaton, functools.partial(
+                llg.LLMatcher, self._lltok, grammar, log_level=0, limits=self._limits))
+        return constraint
+
+    def _matcher(self, kind: str, value: str, probe: bool = False):
+        """(grammar, matcher) of a constraint; ValueError if it is invalid or (probe) cannot be served."""
+        llg = self._llguidance()
+        if kind == "json_schema":
+            _check_integers(value)
         try:
             if kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
@@ -95,10 +127,33 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(self._lltok, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise ValueError(f"invalid {kind}: {_cut(_error_of(matcher))}")
-        error = self._probe(matcher)
+        error = self._probe(matcher) if probe else ""
         if error:
             raise ValueError(f"{kind} cannot be served: {_cut(error)}")
-        return Constraint(kind, matcher)
+        return grammar, matcher
+
+    def _automaton(self, kind: str, value: str, wait: bool, oracle):
+        """The constraint's device automaton if it is built (the first request with a constraint starts the build on a
+        background thread and is served by llguidance meanwhile), else None."""
+        from jphoton import automaton as A
+
+        if self.automata is None:
+            tokens = A.token_bytes(self._tokenizer)
+            if tokens is None:
+                log.info("device automata: this tokenizer's vocabulary format is not understood; llguidance only")
+                self._automata_states = 0
+                return None
+            self.automata = A.AutomatonCache(A.AutomatonVocab(tokens, self.vocab_size, tuple(self._eos)),
+                                             max_states=self._automata_states - 1)
+        if kind == "json_schema":
+            from jphoton.json_regex import schema_to_regex
+
+            regex = schema_to_regex(value)
+            if regex is None:
+                return None
+        else:
+            regex = value
+        return self.automata.get((kind, value), regex, oracle, wait=wait)
 
     def _probe(self, matcher) -> str:
         """Walk a copy of the matcher PROBE_STEPS tokens in (the lowest allowed non-EOS token each time): a grammar that
@@ -168,9 +223,23 @@ class GrammarCompiler:
 class Constraint:
     """One request's matcher: its state is the output committed so far (never the tokens still on the device)."""
 
-    def __init__(self, kind: str, matcher):
+    def __init__(self, kind: str, matcher, make_matcher=None):
         self.kind = kind
-        self.matcher = matcher
+        self._matcher = matcher
+        self._make_matcher = make_matcher  # (grammar, matcher) on first use, when `matcher` is None
+        # A regular constraint's device automaton (jphoton/automaton.py), if built; `device` once the engine placed it
+        # in its tables: the row then samples on the device and the matcher is not used.
+        self.automaton = None
+        self.automaton_key = None
+        self.device = None  # jphoton.automaton.AutomatonState
+
+    @property
+    def matcher(self):
+        """The llguidance matcher (made on first use for a request that came with a built device automaton: only if
+        the engine serves it from host masks after all)."""
+        if self._matcher is None:
+            self._matcher = self._make_matcher()[1]
+        return self._matcher
 
     @property
     def done(self) -> bool:
@@ -179,10 +248,30 @@ class Constraint:
 
     @property
     def failed(self) -> bool:
-        return self.matcher.is_error()
+        return self.device is None and self.matcher.is_error()  # (a device row is checked by its automaton)
 
     def error(self) -> str:
         return _error_of(self.matcher)
+
+
+def _check_integers(schema: str) -> None:
+    """ValueError for an integer outside the signed 64-bit range but for its lowest value, anywhere in a JSON schema:
+    llguidance 1.9.1 crashes the process on {"enum": [-9223372036854775808]}."""
+    import json
+
+    try:
+        doc = json.loads(schema)
+    except ValueError:
+        return  # (llguidance reports a malformed schema)
+    todo = [doc]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+        elif isinstance(v, int) and not isinstance(v, bool) and not -2**63 < v < 2**63:
+            raise ValueError(f"invalid json_schema: integer {v} is outside (-2^63, 2^63)")
 
 
 def _error_of(matcher) -> str:

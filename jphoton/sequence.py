@@ -73,6 +73,7 @@ class Sequence:
         self.lora_slot = -1  # the LoRA adapter's device slot (engine/loras.py), -1: the base model
         self.lora_key = None  # that adapter load's id: part of the prefix-cache key of the pages this sequence writes
         self.constraint = None  # jphoton.constraints.Constraint: the grammar matcher, advanced at each commit
+        self.automaton_on_device = False  # the latest launched sample ran under the device automaton (its state there)
         # `choice` requests (engine/choice.py): the options as token ids (set at submission); the engine scores them
         # on internal branch sequences, which point back at their group and may share a leader's prompt pages.
         self.choice_options: list[list[int]] | None = None

@@ -9,34 +9,11 @@ import re
 import jax
 import jsonschema
 import pytest
+from automaton_walk import host_masks
+from schemas import COLOURS, PERSON, WEATHER
 
 from jphoton import SamplingParams
 
-PERSON = {  # nested objects, bounded integer, string pattern
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 24},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "address"], "additionalProperties": False,
-}
-COLOURS = {  # an array of enums
-    "type": "object",
-    "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue", "yellow"]},
-                               "minItems": 1, "maxItems": 4}},
-    "required": ["colours"], "additionalProperties": False,
-}
-WEATHER = {  # bounded numbers
-    "type": "object",
-    "properties": {"celsius": {"type": "integer", "minimum": -40, "maximum": 50},
-                   "humidity": {"type": "number", "minimum": 0, "maximum": 1},
-                   "wind_kmh": {"type": "integer", "minimum": 0, "maximum": 200}},
-    "required": ["celsius", "humidity", "wind_kmh"], "additionalProperties": False,
-}
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 SENTIMENT = ["positive", "negative", "neutral"]
@@ -88,13 +65,29 @@ def run_batch(llm, temperature: float):
 @pytest.fixture(scope="module")
 def runs(embedded_d1, embedded_llm):
     """{(depth, temperature): (constrained completions, free completions, step records, host->device input copies)}:
-    one engine per depth."""
+    one engine per depth, every grammar row on host masks."""
     results = {}
     for depth, llm in ((1, embedded_d1), (2, embedded_llm)):
         for temperature in (0.0, 0.8):
-            constrained, free, transfers = run_batch(llm, temperature)
+            with host_masks(llm):
+                constrained, free, transfers = run_batch(llm, temperature)
             results[depth, temperature] = (constrained, free, list(llm.telemetry.records), transfers)
     return results
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_device_automata_give_the_host_masks_tokens(runs, embedded_d1, embedded_llm, depth, temperature):
+    """The same batch with every regular constraint's automaton built beforehand: those rows sample under their device
+    automaton (jphoton/automaton.py) and draw exactly the host path's tokens."""
+    llm = embedded_d1 if depth == 1 else embedded_llm
+    for _, kw, _ in CASES:
+        llm.grammar.compile(SamplingParams(**kw), wait_automaton=True)
+    constrained, free, _ = run_batch(llm, temperature)
+    assert any(r.automaton_rows for r in llm.telemetry.records)
+    host_constrained, host_free, _, _ = runs[depth, temperature]
+    for a, b in zip(host_constrained + host_free, constrained + free, strict=True):
+        assert a.token_ids == b.token_ids
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -145,6 +138,7 @@ def test_a_free_request_is_unchanged_by_grammar_neighbours(runs, embedded_llm):
     ({"json_schema": '{"type": "object", "properties": {"a": {"type": "nonsense"}}}'}, "invalid json_schema"),
     ({"json_schema": "{not json"}, "not valid JSON"),
     ({"json_schema": [1, 2]}, "json_schema must be"),
+    ({"json_schema": {"enum": [-2**63]}}, "outside"),  # (llguidance 1.9.1 crashes the process on it)
     ({"regex": "(unclosed"}, "invalid regex"),
     ({"grammar": "start: undefined_rule"}, "invalid grammar"),
     ({"choice": []}, "choice must be"),
@@ -164,6 +158,7 @@ def test_a_grammar_failure_mid_flight_ends_only_that_request(embedded_llm, monke
     a message, its pages come back, its neighbours finish normally."""
     llm = embedded_llm
     monkeypatch.setattr(llm.engine, "depth", depth)
+    monkeypatch.setattr(llm.grammar, "_automata_states", 0)  # the matchers' path (device automata: test_automaton.py)
     letter = llm.tokenizer.encode("x")[0]
     real_advance = llm.grammar.advance
     victims = []

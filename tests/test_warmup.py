@@ -31,10 +31,10 @@ def _record_shapes(llm) -> list[StepShape]:
     """Every shape the engine packs from now on; each must be ready when it is packed."""
     shapes, pack, sched = [], llm.engine.runner.pack, llm.engine.scheduler
 
-    def recording(plan):
+    def recording(plan, *args):
         assert sched.ready is None or plan.shape in sched.ready, f"planned {plan.shape}, not ready"
         shapes.append(plan.shape)
-        return pack(plan)
+        return pack(plan, *args)
 
     llm.engine.runner.pack = recording
     return shapes

@@ -31,6 +31,7 @@ class ForcedTokens:
     the stop tokens (none: the option alone). Same interface as constraints.Constraint."""
 
     kind = "forced"
+    automaton = device = None  # (never a device automaton: its mask is filled on the host)
 
     def __init__(self, tokens: list[int], stop_ids: tuple[int, ...]):
         self.tokens = list(tokens)

@@ -78,6 +78,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     # shard the model over this many local devices (Megatron tensor parallelism, docs/tensor-parallel.md)
     tensor_parallel_size: int = 1
+    # Constrained decoding on the device (jphoton/automaton.py): regex and JSON-schema constraints that are regular run
+    # as token automata in device tables of this many states (int16 next-state rows: 2 bytes x vocabulary a state,
+    # 256 MiB at 1,024 states and a 128k vocabulary), sampled inside the step like free rows; 0: every constraint's
+    # masks are built on the host by llguidance.
+    automaton_states: int = 1024
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
@@ -112,6 +117,9 @@ class EngineConfig:
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer (0: LoRA off), got {self.max_loras!r}")
+        if (not isinstance(self.automaton_states, int) or isinstance(self.automaton_states, bool)
+                or not 0 <= self.automaton_states <= 32767):
+            raise ValueError(f"automaton_states must be an integer in [0, 32767] (0: off), got {self.automaton_states!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not isinstance(self.prefix_caching, bool):

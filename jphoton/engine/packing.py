@@ -10,7 +10,7 @@ import numpy as np
 
 from jphoton.engine.scheduler import StepPlan, StepShape
 from jphoton.engine.slots import StepInput
-from jphoton.engine.step import StepLayout, StepStatic
+from jphoton.engine.step import AUTOMATON_ADVANCE, AUTOMATON_CARRIED, AUTOMATON_GIVEN, StepLayout, StepStatic
 from jphoton.sampling import seed_key_data
 
 
@@ -26,10 +26,20 @@ class StepPacker:
             self._layouts[shape] = StepLayout(shape, self.static, self.packed_size)
         return self._layouts[shape]
 
-    def pack(self, plan: StepPlan) -> StepInput:
+    def pack(self, plan: StepPlan, automata: bool = False) -> StepInput:
         """The step's one packed host input. A decode-only step whose rows are the previous pack's sequences, in the
         same order, starts from a copy of that buffer (`_SteadyPack`): only the per-step columns and the pages added
         since are written, which halves the host's packing at 64 rows (the block tables are most of the buffer)."""
+        inp = self._pack(plan)
+        layout = self.layout(plan.shape)
+        if automata:
+            self._pack_automata(plan, layout.views(inp.packed))
+        else:  # the free state for every row (a steady pack starts from the last buffer)
+            o, _ = layout.fields["g_state"]
+            inp.packed[o:o + 2 * plan.shape.rows] = 0  # g_state, then g_mode (AUTOMATON_GIVEN)
+        return inp
+
+    def _pack(self, plan: StepPlan) -> StepInput:
         prev, self._steady = self._steady, None
         d = plan.decode
         if d and not plan.prefill:
@@ -41,6 +51,24 @@ class StepPacker:
                                        [len(r.seq.block_table) for r in d], inp.packed)
             return inp
         return self._pack_full(plan)
+
+    @staticmethod
+    def _pack_automata(plan: StepPlan, v: dict[str, np.ndarray]) -> None:
+        """Each automaton row's state for a step that samples them on the device (engine/step.py AUTOMATON_*): the host
+        knows it when the row's input token is committed; else the carried token was drawn on the device either under
+        the automaton (its state output is read there) or at a finalize (every token before it is committed: the host's
+        state is the one before it). Other rows: the free state."""
+        state, mode = v["g_state"], v["g_mode"]
+        state[:] = 0
+        mode[:] = AUTOMATON_GIVEN
+        for row in plan.rows:
+            c = row.seq.constraint
+            device = c.device if c is not None else None
+            if device is None or not row.samples:
+                continue
+            state[row.out_row] = device.global_state
+            if row.carry_from >= 0:
+                mode[row.out_row] = AUTOMATON_CARRIED if row.seq.automaton_on_device else AUTOMATON_ADVANCE
 
     def _pack_steady(self, plan: StepPlan, prev: _SteadyPack) -> StepInput:
         self.steady_packs += 1

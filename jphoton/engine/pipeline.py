@@ -33,6 +33,7 @@ import gc
 import logging
 from collections.abc import Callable
 
+from jphoton.automaton import AutomatonPool, AutomatonState
 from jphoton.constraints import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.choice import ChoiceGroup
@@ -69,6 +70,11 @@ class Engine:
         self.runner = Runner(model, config, num_pages)
         self.loras = LoraSlots(config.max_loras)
         self.grammar = grammar
+        # Device automata (jphoton/automaton.py): rows of the runner's tables, handed to regular constraints at add
+        self.automata = AutomatonPool(self.runner.automaton_states) if self.runner.automaton_states else None
+        if grammar is not None:
+            grammar.use_automata(self.runner.automaton_states)
+        self.num_automaton_steps = 0  # steps whose automaton rows sampled on the device
         self.inflight: collections.deque[DecodeSlot] = collections.deque()  # launched, not yet committed
         self.ahead: PlannedStep | None = None  # planned during the last tick's finalize; launched next tick
         self.sequences: dict[int, Sequence] = {}  # live (not yet released) sequences by request id
@@ -103,9 +109,24 @@ class Engine:
                 self.sequences[b.request_id] = b
                 self.scheduler.add(b)
         self.sequences[seq.request_id] = seq
+        if seq.constraint is not None and seq.constraint.automaton is not None:
+            self._place_automaton(seq.constraint)
         if seq.choice_group is None:
             self.scheduler.add(seq)
 
+    def _place_automaton(self, constraint) -> None:
+        """Give the constraint's automaton rows of the device tables (written once; kept for later requests with the
+        same constraint while rows last). No room: the row stays on llguidance's host masks."""
+        a = constraint.automaton
+        placement = None if self.automata is None else self.automata.place(constraint.automaton_key, a.num_states)
+        if placement is None:
+            log.info("device automaton tables full (%d states): this request's masks are built on the host",
+                     self.automata.capacity if self.automata else 0)
+            return
+        if not placement.written:
+            self.runner.write_automaton(placement.offset, a.next_state, a.mask)
+            placement.written = True
+        constraint.device = AutomatonState(a, placement)
     def _branch_id(self) -> int:
         self._next_branch_id -= 1
         return self._next_branch_id + 1
@@ -178,12 +199,26 @@ class Engine:
             return None
         kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
         rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan)
-        rec.constrained_rows = sum(1 for r in plan.rows if r.samples and r.seq.constraint is not None)
+        grammar_rows = automaton_rows = 0
+        for r in plan.rows:
+            c = r.seq.constraint
+            if c is not None and r.samples:
+                grammar_rows += 1
+                automaton_rows += c.device is not None
+        rec.automaton_rows = automaton_rows
+        # Automaton rows sample inside the step (its filtered variant reads the device tables) unless the step must be
+        # sampled later anyway: host-mask rows (llguidance), logprobs (a second sampler), no filtered variant (yet).
+        on_device = (automaton_rows > 0 and automaton_rows == grammar_rows and self.runner.has_filtered_variant(plan)
+                     and not any(r.seq.params.logprobs is not None for r in plan.rows))
+        rec.constrained_rows = 0 if on_device else grammar_rows  # sampled at finalize, under host masks
         if rec.constrained_rows and self.num_constrained_steps == 0:
             log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
                      "sample later)")
+        if on_device and self.num_automaton_steps == 0:
+            log.info("device automata: grammar rows sample inside the step (no host masks)")
         self.num_constrained_steps += rec.constrained_rows > 0
-        step = PlannedStep(plan, rec, self.runner.pack(plan))
+        self.num_automaton_steps += on_device
+        step = PlannedStep(plan, rec, self.runner.pack(plan, on_device), automata=on_device)
         rec.t_planned = rec.t_packed = now()
         return step
 
@@ -191,6 +226,10 @@ class Engine:
         rec = step.record
         rec.t_launch = self.telemetry.now()
         self.inflight.append(self.runner.launch(step, defer_sampling=rec.constrained_rows > 0))
+        if rec.automaton_rows:  # where the next step finds these rows' automaton state (packing.py)
+            for r in step.plan.rows:
+                if r.samples:
+                    r.seq.automaton_on_device = step.automata
         rec.t_launched = self.telemetry.now()
         self.num_steps += 1
 
@@ -204,6 +243,11 @@ class Engine:
         rows = [(r.seq.constraint, r.out_row) for r in plan.rows
                 if r.samples and r.seq.constraint is not None and not r.seq.finalized
                 and not r.seq.constraint.failed]  # zombies and failed rows keep the all-ones row
+        if rec.automaton_rows:  # (an automaton row's mask is a row of its table, in the state the host holds)
+            for c, out_row in rows:
+                if c.device is not None:
+                    inp.mask[out_row] = c.device.automaton.mask[c.device.state]
+            rows = [(c, out_row) for c, out_row in rows if c.device is None]
         self.grammar.fill_masks(rows, inp.mask)
         rec.t_masked = now()
         self.runner.finalize(slot, inp, then=self.ahead.input if self.ahead is not None else None)
@@ -216,7 +260,7 @@ class Engine:
         rec.t_commit = now()
         result = self.runner.fetch(slot)
         rec.t_ready = now()
-        verdicts = self._advance_grammar(plan, result) if rec.constrained_rows else {}
+        verdicts = self._advance_grammar(plan, result) if rec.constrained_rows or rec.automaton_rows else {}
         rec.t_advanced = now()
         outputs = []
         tokens = result.tokens
@@ -257,12 +301,28 @@ class Engine:
 
     def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, GrammarVerdict]:
         """Feed every live grammar row its committed token: {id(row): verdict}."""
-        guided = [r for r in plan.rows if r.samples and not r.seq.finalized and r.seq.constraint is not None]
-        if not guided:
-            return {}
-        oks = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in guided])
-        return {id(r): GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
-                for r, ok in zip(guided, oks, strict=True)}
+        verdicts = {}
+        on_host = []
+        tokens = result.tokens
+        for r in plan.rows:
+            c = r.seq.constraint
+            if c is None or not r.samples or r.seq.finalized:
+                continue
+            device = c.device
+            if device is None:
+                on_host.append(r)
+                continue
+            token = tokens[r.out_row]
+            if not device.advance(token):
+                verdicts[id(r)] = GrammarVerdict(False, True, device.error_text)
+            elif device.done_after(token):
+                verdicts[id(r)] = GrammarVerdict(True, True, "")
+            # (else accepted, not done: the commit's default, no record per row)
+        if on_host:
+            oks = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in on_host])
+            verdicts.update({id(r): GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
+                             for r, ok in zip(on_host, oks, strict=True)})
+        return verdicts
 
     def _branch_done(self, branch: Sequence, outputs: list[RequestOutput]) -> None:
         """A choice branch finished: once every branch has (or one failed), finalize the request with its pick."""
@@ -303,6 +363,9 @@ class Engine:
         del self.sequences[seq.request_id]
         if seq.lora_slot >= 0:
             self.loras.release(seq.lora_slot)
+        device = seq.constraint.device if seq.constraint is not None else None
+        if device is not None:  # its table rows stay for the next request with this constraint, until needed
+            self.automata.release(device.placement)
 
     def _refreeze_gc(self) -> None:
         self._compiles_seen = compiles.num_compiles()
@@ -323,6 +386,8 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             "constrained_steps": self.num_constrained_steps,
+            "automaton_steps": self.num_automaton_steps,
+            "automaton_states_used": self.automata.states_used if self.automata else 0,
             "input_transfers": self.runner.input_transfers,
             "inflight_steps": len(self.inflight),
             **self.loras.stats(),

@@ -114,13 +114,30 @@ class Runner:
         self.kv = (self._zeros(shape, dtype, kv_sharding), self._zeros(shape, dtype, kv_sharding))
         self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize  # all shards together
         K = self.max_logprobs
+        # Device automata (jphoton/automaton.py): next-state and mask tables, row 0 the free state (every token allowed,
+        # every token back to 0). Not under tensor parallelism (the masks would need the vocabulary shards).
+        self.automaton_states = config.automaton_states if self.tp is None else 0
+        self.mask_words = mask_words(cfg.vocab_size)
+        self.automaton = None
+        if self.automaton_states:
+            S, W = self.automaton_states, self.mask_words
+            if abstract:
+                self.automaton = (jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.int16, sharding=on_device),
+                                  jax.ShapeDtypeStruct((S, W), jnp.int32, sharding=on_device))
+            else:
+                self.automaton = (self._zeros((S, cfg.vocab_size), jnp.int16),
+                                  jax.jit(lambda: jnp.zeros((S, W), jnp.int32).at[0].set(-1),
+                                          out_shardings=on_device)())
         self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32),
                                  self._zeros((max_rows, cfg.vocab_size), jnp.float32, logits_sharding),
                                  self._zeros((max_rows, K + 1), jnp.float32),
-                                 self._zeros((max_rows, max(K, 1)), jnp.int32)) for _ in range(2)]
+                                 self._zeros((max_rows, max(K, 1)), jnp.int32),
+                                 self._zeros((max_rows,), jnp.int32) if self.automaton_states else None)
+                      for _ in range(2)]
         self._next_slot = 0
         self.input_transfers = 0  # host->device copies of step and sampler inputs (telemetry; tests check the count)
         self._prev_tokens = self.slots[1].tokens  # the last dispatched step's tokens: the next step's carry-over
+        self._prev_states = self.slots[1].states  # and its rows' automaton states (filtered steps write them)
         self.packer = StepPacker(self.static, self.packed_size, self.lora_enabled)
         # LoRA slot weights (models/lora.py), in the params' layer layout; None when LoRA is off.
         self.lora_weights = None
@@ -138,8 +155,8 @@ class Runner:
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
         # device argument and an uncommitted host one compile twice.
         if self.tp is None:
-            jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5), in_shardings=on_device,
-                                    out_shardings=on_device)
+            jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5, 9),
+                                    in_shardings=on_device, out_shardings=on_device)
         else:
             param_specs = tensor_parallel.param_specs(self.params)
             # the step's shard_map reads each leaf by its name's spec: a leaf placed otherwise would be resharded in
@@ -154,10 +171,11 @@ class Runner:
             kv_shardings = (kv_sharding, kv_sharding)
             jit = functools.partial(
                 jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5),
-                in_shardings=(param_shardings, kv_shardings, on_device, on_device, logits_sharding, on_device, None),
+                in_shardings=(param_shardings, kv_shardings, on_device, on_device, logits_sharding, on_device, None,
+                              None, None),
                 out_shardings=(on_device, logits_sharding, kv_shardings))
             step = self._sharded_step(step, param_specs)
-        # Step variants by (filtered, lora). Decode steps whose rows ask for top-k / top-p sample inside the step with
+        # Step variants by (filtered, lora). Steps whose rows ask for top-k / top-p or use a device automaton sample in
         # a filtered variant (one launch, not two); steps with a row that uses a LoRA adapter run a LoRA variant (the
         # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
         self._steps = {(f, lo): jit(functools.partial(step, filtered=f, lora=lo))
@@ -170,7 +188,6 @@ class Runner:
         resample_in = on_device if self.tp is None else (logits_sharding, *[on_device] * 5)
         self._resample = jax.jit(resample_fn, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=resample_in, out_shardings=on_device)
-        self.mask_words = mask_words(cfg.vocab_size)
         self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
         self._last_launched: DecodeSlot | None = None
 
@@ -182,8 +199,16 @@ class Runner:
                             spec(slot.tokens), spec(slot.logits),
                             jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
                             jax.tree.map(spec, self.lora_weights))
+        self._automaton_specs = None if self.automaton is None else (
+            (*map(spec, self.automaton), spec(slot.states)), spec(slot.states))
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # `install`: programs compiled by another process
         self.first_ran: set[tuple] = set()  # programs run once already (`first_run`)
+        if self.automaton is not None:  # automaton writes compile now (`write_automaton`): a new one serves at once
+            self._write_automaton = jax.jit(_write_automaton_rows, donate_argnums=(0, 1), in_shardings=on_device,
+                                            out_shardings=on_device)
+            if not abstract:
+                self._write_automaton.lower(*map(spec, self.automaton), *_automaton_chunk_specs(
+                    cfg.vocab_size, self.mask_words)).compile()
         if self.lora_enabled and not abstract:  # the adapter writes compile now: loading one serves without a compile
             blocks = lora_lib.slot_blocks(cfg, None, config.max_lora_rank)
             if not self._per_layer_lora:
@@ -223,8 +248,8 @@ class Runner:
                                  in_specs=(param_specs, kv_specs, P(), P(), _LOGITS_SPEC, P()),
                                  out_specs=(P(), _LOGITS_SPEC, kv_specs), check_vma=False)
 
-        def sharded(shape, params, kv, prev_tokens, out_tokens, out_logits, packed, lora_weights=None, *,
-                    filtered=False, lora=False):
+        def sharded(shape, params, kv, prev_tokens, out_tokens, out_logits, packed, lora_weights=None, automaton=None,
+                    out_states=None, *, filtered=False, lora=False):  # (no device automata under tensor parallelism)
             return program(shape, filtered, lora)(params, kv, prev_tokens, out_tokens, out_logits, packed)
 
         return sharded
@@ -264,12 +289,18 @@ class Runner:
     def lower_step(self, shape: StepShape, filtered: bool = False) -> list:
         """`compile_step`'s first half, the Python trace (holds the GIL): its programs, lowered, to `.compile()` (XLA,
         releases the GIL) later or on another thread."""
-        return [self._steps[filtered, lora].lower(shape, *(self._step_specs if lora else (*self._step_specs[:-1], None)))
+        automaton = self._automaton_specs if filtered and self._automaton_specs else (None, None)
+        return [self._steps[filtered, lora].lower(shape, *self._step_specs[:-1], self._step_specs[-1] if lora else None,
+                                                  *automaton)
                 for lora in ((False, True) if self.lora_enabled else (False,))]
 
     def filtered_shapes(self) -> list[StepShape]:
-        """The shapes that have a top-k / top-p variant: decode-only steps (one more program per decode bucket)."""
-        return [s for s in self.sched.all_shapes() if not s.prefill_rows]
+        """The shapes that have a filtered variant (top-k / top-p rows and device automata sample in it): every shape,
+        one more program each, decode-only shapes first (warm-up compiles them in this order). Prefill and mixed
+        steps have one since device automata: each new constrained request draws its first token in one, and a step
+        sampled at a finalize instead holds up the whole batch for the host."""
+        shapes = self.sched.all_shapes()
+        return [s for s in shapes if not s.prefill_rows] + [s for s in shapes if s.prefill_rows]
 
     def compile_sampler(self, variant: SamplerVariant) -> None:
         """Compile one second sampler ahead of time (as `compile_step`)."""
@@ -305,9 +336,9 @@ class Runner:
         return [SamplerVariant(f, k, m) for m in (False, True) for f in (False, True) for k in lps if f or k or m]
 
     # ---- one step --------------------------------------------------------------------------------------------------
-    def pack(self, plan: StepPlan) -> StepInput:
-        """The step's one packed host input (engine/packing.py)."""
-        return self.packer.pack(plan)
+    def pack(self, plan: StepPlan, automata: bool = False) -> StepInput:
+        """The step's one packed host input (engine/packing.py); automata: its automaton rows sample in the step."""
+        return self.packer.pack(plan, automata)
 
     def _sampler_input(self, variant: SamplerVariant) -> SamplerInput:
         R, W = self.static.max_rows, self.mask_words if variant.masked else 0
@@ -341,10 +372,10 @@ class Runner:
                    for r in plan.rows)
 
     def has_filtered_variant(self, plan: StepPlan) -> bool:
-        """The step can sample top-k / top-p rows itself: a decode step whose filtered variant exists (or, before
-        warm-up, may compile now)."""
+        """The step can sample top-k / top-p rows and device automata itself: its filtered variant exists (or,
+        before warm-up, may compile now)."""
         ready = self.filtered_ready
-        return not plan.shape.prefill_rows and (ready is None or plan.shape in ready)
+        return ready is None or plan.shape in ready
 
     def sampler_input(self, plan: StepPlan, masked: bool = False, filtered: bool | None = None
                       ) -> SamplerInput | None:
@@ -375,8 +406,8 @@ class Runner:
         slot = self._take_slot()
         assert slot.step is None, "slot reused before the commit that reads it"
         self._last_launched = slot
-        wants = not defer_sampling and self.wants_filters(step.plan)  # (a grammar step filters at finalize)
-        in_step = wants and self.has_filtered_variant(step.plan)
+        wants = not defer_sampling and (step.automata or self.wants_filters(step.plan))  # (a grammar step filters at
+        in_step = wants and self.has_filtered_variant(step.plan)  # finalize; automaton rows need the filtered variant)
         second = None if defer_sampling else self.sampler_input(step.plan, filtered=wants and not in_step)
         slot.step, slot.awaiting_mask = step, defer_sampling
         slot.sampler = second.variant if second is not None else None
@@ -453,11 +484,38 @@ class Runner:
         with _input_transfer():
             packed = self._on_mesh(packed)
             # (the base program takes no LoRA weights: each pytree leaf costs the dispatch time, ~100 leaves here)
-            slot.tokens, slot.logits, self.kv = step(self.params, self.kv, self._prev_tokens, slot.tokens,
-                                                     slot.logits, packed, self.lora_weights if lora else None)
+            lora_weights = self.lora_weights if lora else None
+            if filtered and self.automaton is not None:
+                slot.tokens, slot.logits, self.kv, slot.states = step(
+                    self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed, lora_weights,
+                    (*self.automaton, self._prev_states), slot.states)
+            else:
+                slot.tokens, slot.logits, self.kv = step(self.params, self.kv, self._prev_tokens, slot.tokens,
+                                                         slot.logits, packed, lora_weights, None, None)
         if record is not None:
             record.t_dispatched = time.perf_counter()
         self._prev_tokens = slot.tokens
+        # (a step that did not write states leaves stale ones: the next step reads them for no row, engine/packing.py)
+        self._prev_states = slot.states
+
+    def write_automaton(self, offset: int, next_state: np.ndarray, mask: np.ndarray) -> None:
+        """Write an automaton's rows (jphoton/automaton.py: next_state [S, V] local int32, -1 = not allowed; mask
+        [S, W]) at rows offset .. offset + S - 1 of the device tables, in chunks of one compiled shape, ordered after
+        every step already dispatched (rows being rewritten are no live request's, engine/pipeline.py)."""
+        S, V = next_state.shape
+        assert 1 <= offset and offset + S <= self.automaton_states, "automaton rows out of the table"
+        global_next = np.where(next_state >= 0, next_state + offset, 0).astype(np.int16)  # not allowed -> free state
+        C = AUTOMATON_CHUNK
+        with _input_transfer():
+            for a in range(0, S, C):
+                n = min(C, S - a)
+                rows = np.full((C,), self.automaton_states, np.int32)  # out of range: dropped
+                rows[:n] = offset + a + np.arange(n)
+                nxt = np.zeros((C, V), np.int16)
+                nxt[:n] = global_next[a:a + n]
+                words = np.zeros((C, self.mask_words), np.int32)
+                words[:n] = mask[a:a + n]
+                self.automaton = self._write_automaton(*self.automaton, rows, nxt, words)
 
     def _on_mesh(self, host: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
         """Under tensor parallelism a host input is put on the mesh first: a jitted call given a host array and one
@@ -486,12 +544,13 @@ class Runner:
 
     # ---- measurement -----------------------------------------------------------------------------------------------
     def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False,
-                          lora_rows: int = 0) -> float:
+                          lora_rows: int = 0, filtered: bool = False) -> float:
         """Seconds per decode-only step of `rows` rows dispatched back to back, with no host work between (what the
         pipelined loop would reach if the host were free). Each row attends over `context` tokens on pages of its own,
         as in serving (0: padding rows on the trash page, attention nearly free); masked_sampler: the grammar sampler
         runs after each step too; lora_rows: the first rows use LoRA slots 0, 1, ... in turn (the step's LoRA
-        variant). Overwrites KV pages: only for an idle engine."""
+        variant); filtered: the step's filtered variant (top-k / top-p, device automata). Overwrites KV pages: only for
+        an idle engine."""
         bucket = next((d for d in self.sched.decode_buckets if d >= rows), None)
         if bucket is None:
             raise ValueError(f"{rows} rows exceed the largest decode bucket ({self.sched.decode_buckets[-1]})")
@@ -518,7 +577,7 @@ class Runner:
         def run(n):
             for _ in range(n):
                 slot = self._take_slot()
-                self._dispatch_into(slot, shape, packed, lora=lora_rows > 0)
+                self._dispatch_into(slot, shape, packed, lora=lora_rows > 0, filtered=filtered)
                 if sampler is not None:
                     self._resample_into(slot, variant, sampler)
             jax.block_until_ready(self.kv)
@@ -527,6 +586,18 @@ class Runner:
         t0 = time.perf_counter()
         run(steps)
         return (time.perf_counter() - t0) / steps
+
+
+AUTOMATON_CHUNK = 32  # automaton rows a table write carries (one compiled shape)
+
+
+def _write_automaton_rows(next_state, mask, rows, chunk_next, chunk_mask):
+    return (next_state.at[rows].set(chunk_next, mode="drop"), mask.at[rows].set(chunk_mask, mode="drop"))
+
+
+def _automaton_chunk_specs(vocab_size: int, words: int):
+    return (jax.ShapeDtypeStruct((AUTOMATON_CHUNK,), jnp.int32), jax.ShapeDtypeStruct((AUTOMATON_CHUNK, vocab_size),
+            jnp.int16), jax.ShapeDtypeStruct((AUTOMATON_CHUNK, words), jnp.int32))
 
 
 def default_num_pages(model_cfg, cfg: EngineConfig, params) -> int:

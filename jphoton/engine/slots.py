@@ -37,6 +37,7 @@ class PlannedStep:
     plan: StepPlan
     record: StepRecord
     input: StepInput
+    automata: bool = False  # its automaton rows sample inside the step (the filtered variant)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class DecodeSlot:
     logits: jax.Array  # [max_rows, V] float32: every row's logits, for the second sampler
     logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
     top_ids: jax.Array  # [max_rows, max(K, 1)] int32
+    states: jax.Array | None = None  # [max_rows] int32: each row's device automaton state after its token (filtered steps)
     step: PlannedStep | None = None  # the step occupying the slot, until its commit
     sampler: SamplerVariant | None = None  # the second sampler that ran on it, if any
     awaiting_mask: bool = False  # grammar rows: sampled only at finalize, after the previous step's commit

@@ -53,6 +53,8 @@ class StepLayout:
             ("p_tokens", (Bp, Tp)), ("p_start", (Bp,)), ("p_len", (Bp,)), ("p_table", (Bp, P)),
             ("temperature", (R,)), ("key", (R, 2)), ("sample_index", (R,)), ("top_k", (R,)), ("top_p", (R,)),
             ("d_lora", (Bd,)), ("p_lora", (Bp,)),  # each row's LoRA slot, -1: none (read by a step's LoRA variant)
+            # each row's device automaton state and how to read it (`AUTOMATON_*`; read by a step's filtered variant)
+            ("g_state", (R,)), ("g_mode", (R,)),
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
@@ -85,20 +87,30 @@ class StepLayout:
         return out
 
 
+# g_mode: where a row's automaton state (the one its next token is sampled in) comes from. State 0 is the free state.
+AUTOMATON_GIVEN = 0  # g_state is it (the host knows every token before the sample: prefill rows, host input tokens)
+AUTOMATON_CARRIED = 1  # the previous step's state output at the row's carry_from row (it sampled on the device too)
+AUTOMATON_ADVANCE = 2  # g_state is the state before the carried input token: advance by it on the device
+
+
 ForwardFn = Callable[..., tuple[jax.Array, Any]]  # (params, tokens, positions, kv, attend) -> (hidden, kv)
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> float32 logits [R, V]
 
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
-                prev_tokens, out_tokens, out_logits, packed, lora_weights=None, *, filtered: bool = False,
-                lora: bool = False, tp=None):
-    """Returns (out_tokens, out_logits, kv). prev_tokens is the previous step's token output (read for carry-over,
-    never donated); the output buffers and kv are donated and come back updated in place. The logits of every row
-    stay on the device for a later sampler (logprobs, grammar masks, filters of a step without a filtered variant).
+                prev_tokens, out_tokens, out_logits, packed, lora_weights=None, automaton=None, out_states=None, *,
+                filtered: bool = False, lora: bool = False, tp=None):
+    """Returns (out_tokens, out_logits, kv), and out_states when `automaton` is given. prev_tokens is the previous
+    step's token output (read for carry-over, never donated); the output buffers and kv are donated and come back
+    updated in place. The logits of every row stay on the device for a later sampler (logprobs, grammar masks, filters
+    of a step without a filtered variant).
     filtered: sample with each row's top-k / top-p (`sampling.sample`) instead of the plain sampler, so that such a
-    step needs no second sampler launch (a decode step's variant; docs/decisions.md).
+    step needs no second sampler launch (a variant of every shape; docs/decisions.md).
     lora: the step's LoRA variant, for steps with a row that uses an adapter: each token gets its row's slot's update
     from `lora_weights` (models/lora.py); steps with none run the base program (no LoRA op in it).
+    automaton: (next_state [S, V] int16, mask [S, W] int32, prev_states [max_rows] int32), the device automata
+    (jphoton/automaton.py; the filtered variant only): each row samples under its state's mask, and the state after
+    its token goes to out_states (donated), which the next step reads as prev_states.
     tp: one shard of a tensor-parallel step, inside shard_map (models/tensor_parallel.py; the runner wraps it): the
     forward and logits are the shard's, kv and out_logits its slices (KV heads, vocabulary); the sampler reduces across
     shards and every shard writes the same tokens."""
@@ -173,11 +185,25 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     logits = logits_fn(params, hidden)
     if filtered:  # (top-k / top-p over the whole vocabulary: a shard's logits are gathered first)
         full = logits if tp is None else tp.gather_vocab(logits)
-        tokens_out = sample(full, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+        scores = full
+        if automaton is not None:
+            next_state, mask, prev_states = automaton
+            carry = jnp.concatenate([f["d_carry"], jnp.full((Bp,), -1, jnp.int32)])
+            row_in = jnp.concatenate([d_tokens, jnp.zeros((Bp,), jnp.int32)])
+            state = jnp.where(f["g_mode"] == AUTOMATON_CARRIED, prev_states[jnp.maximum(carry, 0)], f["g_state"])
+            advanced = next_state[f["g_state"], row_in].astype(jnp.int32)
+            state = jnp.where(f["g_mode"] == AUTOMATON_ADVANCE, advanced, state)
+            scores = jnp.where(unpack_bitmask(mask[state], full.shape[-1]), full, -jnp.inf)
+        tokens_out = sample(scores, f["temperature"], f["top_k"], f["top_p"], f["key"], f["sample_index"])
+        if automaton is not None:
+            new_state = next_state[state, tokens_out].astype(jnp.int32)
+            out_states = jax.lax.dynamic_update_slice(out_states, new_state, (0,))
     else:
         tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"], tp=tp)
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
+    if filtered and automaton is not None:
+        return out_tokens, out_logits, kv, out_states
     return out_tokens, out_logits, kv
 
 

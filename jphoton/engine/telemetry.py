@@ -27,6 +27,7 @@ class StepRecord:
     t_advanced: float = 0.0  # grammar matchers fed the step's tokens
     t_committed: float = 0.0  # tokens appended, deltas built, stops checked
     constrained_rows: int = 0  # rows sampled under a grammar mask (the step samples at finalize)
+    automaton_rows: int = 0  # grammar rows with a device automaton (sampled in the step unless constrained_rows)
     t_finalize: float = 0.0  # finalize starts (after the previous step's commit): masks are filled
     t_masked: float = 0.0  # masks filled
     t_finalized: float = 0.0  # masked sampler dispatched (with the next step's input), host copy started

@@ -97,7 +97,7 @@ class Warmup:
         self.runner, self.scheduler, self.mode, self.progress = runner, scheduler, mode, progress
         self.shapes = scheduler.config.all_shapes()
         self.samplers = runner.sampler_variants()
-        self.filtered = runner.filtered_shapes()  # decode steps' top-k / top-p variants, compiled last
+        self.filtered = runner.filtered_shapes()  # the filtered variants (top-k / top-p, automata), compiled last
         self.compiled: set[StepShape] = set()
         self.samplers_compiled = 0
         self.first_token_s: float | None = None  # seconds until the first tier was ready
@@ -190,7 +190,7 @@ class Warmup:
     # ---- the background thread -------------------------------------------------------------------------------------
     def _tasks(self, queue: list[StepShape]) -> list[tuple]:
         """Every background task in compile order (compile_worker.py's tasks): the queue's shapes, the second samplers
-        once the decode buckets are in, the top-k / top-p decode variants last."""
+        once the decode buckets are in, the filtered variants (top-k / top-p, device automata) last."""
         tasks, samplers = [], [("sampler", v) for v in self.samplers]
         decode_left = sum(1 for s in queue if not s.prefill_rows)
         for shape in queue:
@@ -323,7 +323,7 @@ class Warmup:
         self.all_ready_s = time.perf_counter() - self._t0
         self.scheduler.ready = None  # every shape: the scheduler's unrestricted path
         self._done.set()
-        log.info("all %d step shapes ready (%d second samplers, %d top-k/top-p decode variants) in %.1fs",
+        log.info("all %d step shapes ready (%d second samplers, %d filtered variants) in %.1fs",
                  len(self.shapes), len(self.samplers), len(self.filtered), self.all_ready_s)
 
 
