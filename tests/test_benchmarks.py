@@ -119,7 +119,8 @@ def test_constrained(tmp_path):
     assert (tok / "tokenizer.json").exists()
     assert [r["constraint"] for r in rows] == ["schema", "coords"]
     for row in rows:
-        assert row["requests"] == 2 and row["schema"]["constrained_steps"] > 0 and row["device_schema_ms"] > 0
+        assert row["requests"] == 2 and row["device_schema_ms"] > 0 and row["paths"] == ["device", "host"]
+        assert row["device"]["automaton_steps"] > 0 and row["host"]["constrained_steps"] > 0
         assert row["valid"] + row["truncated"] <= 2
 
 

@@ -348,8 +348,8 @@ def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
     pack, full = packer.pack, packer._pack_full
     checked = []
 
-    def both(plan):
-        inp = pack(plan)
+    def both(plan, automata=False):  # (no constrained rows here: the automaton fields stay zero in both packs)
+        inp = pack(plan, automata)
         np.testing.assert_array_equal(inp.packed, full(plan).packed)
         checked.append(plan.step_id)
         return inp
