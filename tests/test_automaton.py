@@ -25,6 +25,22 @@ def prebuild(llm, params: list[SamplingParams]) -> None:
 
 
 @pytest.fixture(scope="module")
+def auto_llm():
+    from conftest import shared_llm
+
+    with shared_llm(automaton_states=1024) as llm:  # (device automata are opt-in)
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def auto_d1():
+    from conftest import shared_llm
+
+    with shared_llm(automaton_states=1024, pipeline_depth=1) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def vocab(embedded_llm):
     import llguidance
 
@@ -86,10 +102,10 @@ def _batch(llm, temperature: float, depth_llm=None):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(embedded_llm, embedded_d1, temperature):
-    prompts, params = _batch(embedded_llm, temperature)
+def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(auto_llm, auto_d1, temperature):
+    prompts, params = _batch(auto_llm, temperature)
     results = {}
-    for depth, llm in ((1, embedded_d1), (2, embedded_llm)):
+    for depth, llm in ((1, auto_d1), (2, auto_llm)):
         with host_masks(llm):
             host = llm.generate(prompts, params)
         prebuild(llm, params)
@@ -109,10 +125,10 @@ def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(embedded
     assert results[1] == results[2]
 
 
-def test_automaton_rows_beside_host_mask_and_logprobs_rows(embedded_llm):
+def test_automaton_rows_beside_host_mask_and_logprobs_rows(auto_llm):
     """A step with a llguidance row (a Lark grammar) or a logprobs row samples at finalize: automaton rows in it take
     their mask from their table on the host, and the steps after it advance their state on the device."""
-    llm = embedded_llm
+    llm = auto_llm
     prompts = ["Where are the cats?", "What is 6 times 7?", "Phone?"]
     params = [SamplingParams(max_tokens=80, temperature=0, regex=COORDS),
               SamplingParams(max_tokens=20, temperature=0, grammar='start: "The answer is " N "."\nN: /[0-9]{1,3}/'),
@@ -145,8 +161,8 @@ def test_a_full_table_serves_the_request_from_host_masks():
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", out.text) and llm.stats()["automaton_steps"] > 0
 
 
-def test_an_aborted_automaton_request_gives_its_table_rows_back(embedded_llm):
-    llm = embedded_llm
+def test_an_aborted_automaton_request_gives_its_table_rows_back(auto_llm):
+    llm = auto_llm
     p = SamplingParams(max_tokens=80, temperature=0.9, seed=3, regex=COORDS)
     prebuild(llm, [p])
     stream = llm.stream("Where are the cats?", p)
