@@ -81,8 +81,9 @@ class EngineConfig:
     # Constrained decoding on the device (jphoton/automaton.py): regex and JSON-schema constraints that are regular run
     # as token automata in device tables of this many states (int16 next-state rows: 2 bytes x vocabulary a state,
     # 256 MiB at 1,024 states and a 128k vocabulary), sampled inside the step like free rows; 0: every constraint's
-    # masks are built on the host by llguidance. Opt-in for now: a sequence of tests compiled a step variant while
-    # serving with it on (docs/constrained.md), not yet traced.
+    # masks are built on the host by llguidance. Opt-in for now (docs/constrained.md): the table writes compile at
+    # start-up, but Runner.warmup() does not recompile them after a jax.clear_caches() (the test harness's between
+    # modules), so the default stays off until they are part of warm-up and the suite has run with it on.
     automaton_states: int = 0
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
