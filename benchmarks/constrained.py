@@ -126,7 +126,7 @@ def main(argv=None):
     extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}  # fewer step shapes (the CPU smoke test)
     extra.update(parse_llm_args(args.llm_args))
     if "device" in args.paths:
-        extra.setdefault("automaton_states", 1024)  # device automata (opt-in, docs/constrained.md)
+        extra.setdefault("automaton_states", 1024)  # device automata (the default; docs/constrained.md)
     llm = default_llm(args.model, n_max, dtype=args.dtype, tokenizer=args.tokenizer, **extra)
     constraint = {"schema": dict(json_schema=json.dumps(SCHEMA)), "coords": dict(regex=COORDS)}
     rows, samples = [], []

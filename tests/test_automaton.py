@@ -25,22 +25,6 @@ def prebuild(llm, params: list[SamplingParams]) -> None:
 
 
 @pytest.fixture(scope="module")
-def auto_llm():
-    from conftest import shared_llm
-
-    with shared_llm(automaton_states=1024) as llm:  # (device automata are opt-in)
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def auto_d1():
-    from conftest import shared_llm
-
-    with shared_llm(automaton_states=1024, pipeline_depth=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
 def vocab(embedded_llm):
     import llguidance
 
@@ -102,10 +86,10 @@ def _batch(llm, temperature: float, depth_llm=None):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(auto_llm, auto_d1, temperature):
-    prompts, params = _batch(auto_llm, temperature)
+def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(embedded_llm, embedded_d1, temperature):
+    prompts, params = _batch(embedded_llm, temperature)
     results = {}
-    for depth, llm in ((1, auto_d1), (2, auto_llm)):
+    for depth, llm in ((1, embedded_d1), (2, embedded_llm)):
         with host_masks(llm):
             host = llm.generate(prompts, params)
         prebuild(llm, params)
@@ -125,10 +109,10 @@ def test_automaton_rows_sample_on_the_device_with_the_host_paths_tokens(auto_llm
     assert results[1] == results[2]
 
 
-def test_automaton_rows_beside_host_mask_and_logprobs_rows(auto_llm):
+def test_automaton_rows_beside_host_mask_and_logprobs_rows(embedded_llm):
     """A step with a llguidance row (a Lark grammar) or a logprobs row samples at finalize: automaton rows in it take
     their mask from their table on the host, and the steps after it advance their state on the device."""
-    llm = auto_llm
+    llm = embedded_llm
     prompts = ["Where are the cats?", "What is 6 times 7?", "Phone?"]
     params = [SamplingParams(max_tokens=80, temperature=0, regex=COORDS),
               SamplingParams(max_tokens=20, temperature=0, grammar='start: "The answer is " N "."\nN: /[0-9]{1,3}/'),
@@ -161,8 +145,8 @@ def test_a_full_table_serves_the_request_from_host_masks():
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", out.text) and llm.stats()["automaton_steps"] > 0
 
 
-def test_an_aborted_automaton_request_gives_its_table_rows_back(auto_llm):
-    llm = auto_llm
+def test_an_aborted_automaton_request_gives_its_table_rows_back(embedded_llm):
+    llm = embedded_llm
     p = SamplingParams(max_tokens=80, temperature=0.9, seed=3, regex=COORDS)
     prebuild(llm, [p])
     stream = llm.stream("Where are the cats?", p)
@@ -172,6 +156,22 @@ def test_an_aborted_automaton_request_gives_its_table_rows_back(auto_llm):
     llm.generate("Hi", SamplingParams(max_tokens=2))
     assert all(q.refs == 0 for q in llm.engine.automata._placed.values())
     assert np.all(np.asarray([q.offset for q in llm.engine.automata._placed.values()]) >= 1)
+
+
+def test_a_new_automaton_serves_without_a_compile_after_the_re_warm(embedded_llm):
+    """Runner.warmup() recompiles the table writes too: after jax.clear_caches() and the re-warm (the test harness's,
+    between modules), placing a new automaton and sampling under it compiles nothing."""
+    import jax
+
+    llm = embedded_llm
+    jax.clear_caches()
+    llm.engine.runner.warmup()
+    p = SamplingParams(max_tokens=40, regex=r"(red|green|blue)( and (red|green|blue)){0,2}\.")
+    prebuild(llm, [p])
+    before = llm.stats()["num_compiles"]
+    out, = llm.generate("Name some colours.", p)
+    assert llm.stats()["num_compiles"] == before
+    assert re.fullmatch(p.constraint[1], out.text), out.text
 
 
 def test_a_regex_whose_dfa_explodes_builds_nothing_and_the_process_survives():

@@ -75,20 +75,12 @@ def runs(embedded_d1, embedded_llm):
     return results
 
 
-@pytest.fixture(scope="module")
-def auto_engines():
-    from conftest import shared_llm
-
-    with shared_llm(automaton_states=1024) as d2, shared_llm(automaton_states=1024, pipeline_depth=1) as d1:
-        yield {1: d1, 2: d2}
-
-
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_device_automata_give_the_host_masks_tokens(runs, auto_engines, depth, temperature):
-    """The same batch on engines with device automata (opt-in), every regular constraint's automaton built beforehand:
+def test_device_automata_give_the_host_masks_tokens(runs, embedded_d1, embedded_llm, depth, temperature):
+    """The same batch on engines' device automata, every regular constraint's automaton built beforehand:
     those rows sample under their device automaton (jphoton/automaton.py) and draw exactly the host path's tokens."""
-    llm = auto_engines[depth]
+    llm = {1: embedded_d1, 2: embedded_llm}[depth]
     for _, kw, _ in CASES:
         llm.grammar.compile(SamplingParams(**kw), wait_automaton=True)
     constrained, free, _ = run_batch(llm, temperature)

@@ -81,10 +81,8 @@ class EngineConfig:
     # Constrained decoding on the device (jphoton/automaton.py): regex and JSON-schema constraints that are regular run
     # as token automata in device tables of this many states (int16 next-state rows: 2 bytes x vocabulary a state,
     # 256 MiB at 1,024 states and a 128k vocabulary), sampled inside the step like free rows; 0: every constraint's
-    # masks are built on the host by llguidance. Opt-in for now (docs/constrained.md): the table writes compile at
-    # start-up, but Runner.warmup() does not recompile them after a jax.clear_caches() (the test harness's between
-    # modules), so the default stays off until they are part of warm-up and the suite has run with it on.
-    automaton_states: int = 0
+    # masks are built on the host by llguidance. (docs/constrained.md)
+    automaton_states: int = 1024
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop

@@ -203,22 +203,30 @@ class Runner:
             (*map(spec, self.automaton), spec(slot.states)), spec(slot.states))
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # `install`: programs compiled by another process
         self.first_ran: set[tuple] = set()  # programs run once already (`first_run`)
-        if self.automaton is not None:  # automaton writes compile now (`write_automaton`): a new one serves at once
+        if self.automaton is not None:
             self._write_automaton = jax.jit(_write_automaton_rows, donate_argnums=(0, 1), in_shardings=on_device,
                                             out_shardings=on_device)
-            if not abstract:
-                self._write_automaton.lower(*map(spec, self.automaton), *_automaton_chunk_specs(
-                    cfg.vocab_size, self.mask_words)).compile()
-        if self.lora_enabled and not abstract:  # the adapter writes compile now: loading one serves without a compile
-            blocks = lora_lib.slot_blocks(cfg, None, config.max_lora_rank)
+        if not abstract:
+            self.compile_table_writes()
+        self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
+                               spec(self.carrier))
+
+    def compile_table_writes(self) -> None:
+        """Compile the automaton-table and LoRA-slot writes now (at start-up and in `warmup`, which is also the re-warm
+        after `jax.clear_caches()`): a new automaton or adapter then serves without a compile."""
+        if self.automaton is not None:
+            tables = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.automaton]
+            self._write_automaton.lower(*tables, *_automaton_chunk_specs(self.model.config.vocab_size,
+                                                                          self.mask_words)).compile()
+        if self.lora_enabled:
+            cfg, rank = self.model.config, self.static.lora_rank
+            blocks = lora_lib.slot_blocks(cfg, None, rank)
             if not self._per_layer_lora:
                 blocks = lora_lib.stack_blocks(blocks)
             blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
             index = jax.ShapeDtypeStruct((), jnp.int32)
             self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
             self._write_inline.lower(self._step_specs[0], index, blocks).compile()
-        self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
-                               spec(self.carrier))
 
     def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
         if self.abstract:
@@ -326,6 +334,7 @@ class Runner:
             self.compile_sampler(variant)
         for shape in self.filtered_shapes():
             self.compile_step(shape, filtered=True)
+        self.compile_table_writes()
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
         return elapsed
