@@ -131,32 +131,17 @@ def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low,
 
 
 def prephase(scaled: jax.Array, noisy: jax.Array, top_p: jax.Array):
-    """The first steps of every row's search over the whole batch at once, as XLA reductions that use the whole GPU
-    (one program per row would leave most of it idle): the row's max and min, and the top-p rejection test of the
-    first two candidates (the unfiltered sample, then the sample above it). At top_p = 0.9 a row is left for the
-    kernel's sweeps with probability <= 1%. -> (m, m_low, start) for `_select_row`, each [R] (start a tuple)."""
-    keys = float_keys(scaled)
+    """The first step of every row's search over the whole batch at once, as XLA reductions that use the whole GPU:
+    the row's max and min, its mass, and the first top-p candidate (the unfiltered sample). The rejection tests are the
+    kernel's: a row with a top-k starts from its top-k set and never uses them, and testing two candidates here (two
+    more passes over [R, V]) made top_k 50 over [32, 128256] 125 us against 108 for top_p 0.9 unchanged (65-66 us;
+    H100, lab/probes/prephase_variants.py, docs/decisions.md). -> (m, m_low, start) for `_select_row`, each [R]."""
     m = jnp.max(scaled, axis=1)
     m_low = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=1)
-    e = jnp.exp(scaled - m[:, None])
-    z = jnp.sum(e, axis=1)
-    target = top_p * z
-
-    def above(c):  # mass strictly above candidate c, and the next candidate (the argmax of noisy above c)
-        kc = jnp.take_along_axis(keys, c[:, None], axis=1)
-        over = keys > kc
-        return (jnp.sum(jnp.where(over, e, 0.0), axis=1),
-                jnp.argmax(jnp.where(over, noisy, -jnp.inf), axis=1).astype(jnp.int32), kc[:, 0])
-
+    z = jnp.sum(jnp.exp(scaled - m[:, None]), axis=1)
     c1 = jnp.argmax(noisy, axis=1).astype(jnp.int32)
-    a1, c2, _ = above(c1)
-    a2, c3, k2 = above(c2)
-    ok1, ok2 = a1 < target, a2 < target
-    lo = jnp.where(ok1 | ok2, KEY_NEG_INF, k2 + 1)
-    hi = float_keys(m)
-    done = ok1 | ok2 | (top_p >= 1.0) | (lo >= hi)
-    cand = jnp.where(ok1 | (top_p >= 1.0), c1, jnp.where(ok2, c2, c3))
-    return m, m_low, (lo, hi, cand, done, target)
+    lo, hi = jnp.full(m.shape, KEY_NEG_INF, jnp.int32), float_keys(m)
+    return m, m_low, (lo, hi, c1, (top_p >= 1.0) | (lo >= hi), top_p * z)
 
 
 # ------------------------------------------------------------------------------------------------ plain JAX (CPU)
