@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jphoton
 from jphoton.constraints import mask_words
+from jphoton.engine import sharded
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.packing import StepPacker
 from jphoton.engine.scheduler import StepPlan, StepShape
@@ -39,10 +40,6 @@ from jphoton.models import tensor_parallel
 from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
-
-# Tensor parallelism: the KV pool [L, slots, Hkv, hd] is sharded by KV head, the logits buffers [R, V] by vocabulary.
-_KV_SPEC = P(None, None, tensor_parallel.AXIS, None)
-_LOGITS_SPEC = P(None, tensor_parallel.AXIS)
 
 
 def _input_transfer():
@@ -98,8 +95,8 @@ class Runner:
             kv_heads = cfg.num_kv_heads
         else:
             on_device = NamedSharding(self.mesh, P())  # replicated
-            kv_sharding = NamedSharding(self.mesh, _KV_SPEC)
-            logits_sharding = NamedSharding(self.mesh, _LOGITS_SPEC)
+            kv_sharding = NamedSharding(self.mesh, sharded.KV_SPEC)
+            logits_sharding = NamedSharding(self.mesh, sharded.LOGITS_SPEC)
             kv_heads = tensor_parallel.kv_heads(cfg, self.tp.size)
         self._sharding = on_device
         if self.lora_enabled and not abstract:  # q|k|v's and gate|up's LoRA A ride in extra columns (models/lora.py)
@@ -159,22 +156,9 @@ class Runner:
                                     in_shardings=on_device, out_shardings=on_device)
         else:
             param_specs = tensor_parallel.param_specs(self.params)
-            # the step's shard_map reads each leaf by its name's spec: a leaf placed otherwise would be resharded in
-            # every step, silently
-            specs = jax.tree_util.tree_leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
-            misplaced = [jax.tree_util.keystr(path) for (path, a), spec in
-                         zip(jax.tree_util.tree_leaves_with_path(self.params), specs, strict=True)
-                         if not a.sharding.is_equivalent_to(NamedSharding(self.mesh, spec), a.ndim)]
-            if misplaced:
-                raise ValueError(f"tensor parallel: params not placed by their layout: {misplaced[:4]}")
-            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            kv_shardings = (kv_sharding, kv_sharding)
-            jit = functools.partial(
-                jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5),
-                in_shardings=(param_shardings, kv_shardings, on_device, on_device, logits_sharding, on_device, None,
-                              None, None),
-                out_shardings=(on_device, logits_sharding, kv_shardings))
-            step = self._sharded_step(step, param_specs)
+            sharded.check_placement(self.params, self.mesh, param_specs)
+            jit = sharded.step_jit(self.params, kv_sharding, logits_sharding, on_device)
+            step = sharded.sharded_step(step, self.tp, self.mesh, param_specs)
         # Step variants by (filtered, lora). Steps whose rows ask for top-k / top-p or use a device automaton sample in
         # a filtered variant (one launch, not two); steps with a row that uses a LoRA adapter run a LoRA variant (the
         # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
@@ -184,7 +168,7 @@ class Runner:
         # None: compile on demand (no warm-up); else the shapes whose filtered variants are compiled so far (Warmup
         # fills it), and a step whose variant is not ready yet samples through the second sampler instead.
         self.filtered_ready: set[StepShape] | None = None
-        resample_fn = resample if self.tp is None else self._sharded_resample()
+        resample_fn = resample if self.tp is None else sharded.sharded_resample(self.tp, self.mesh)
         resample_in = on_device if self.tp is None else (logits_sharding, *[on_device] * 5)
         self._resample = jax.jit(resample_fn, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=resample_in, out_shardings=on_device)
@@ -242,43 +226,6 @@ class Runner:
         """Use `program` (compiled elsewhere: engine/compile_worker.py) for ("step", shape, filtered, lora) or
         ("sampler", variant) instead of the jitted function's own compile."""
         self._programs[key] = program
-
-    def _sharded_step(self, step, param_specs):
-        """The engine step as one program over the mesh: `engine_step` runs per shard (models/tensor_parallel.py).
-        One shard-mapped function per (shape, variant), kept: a new one per trace would miss JAX's tracing and
-        lowering caches, and a step compiled at warm-up would compile again when first called."""
-        tp, mesh = self.tp, self.mesh
-        kv_specs = (_KV_SPEC, _KV_SPEC)
-
-        @functools.cache
-        def program(shape, filtered, lora):
-            return jax.shard_map(functools.partial(step, shape, filtered=filtered, lora=lora, tp=tp), mesh=mesh,
-                                 in_specs=(param_specs, kv_specs, P(), P(), _LOGITS_SPEC, P()),
-                                 out_specs=(P(), _LOGITS_SPEC, kv_specs), check_vma=False)
-
-        def sharded(shape, params, kv, prev_tokens, out_tokens, out_logits, packed, lora_weights=None, automaton=None,
-                    out_states=None, *, filtered=False, lora=False):  # (no device automata under tensor parallelism)
-            return program(shape, filtered, lora)(params, kv, prev_tokens, out_tokens, out_logits, packed)
-
-        return sharded
-
-    def _sharded_resample(self):
-        """The second sampler over vocabulary-sharded logits: gathered first (grammar masks, filters and logprobs
-        read whole rows; only steps that need this sampler pay the gather)."""
-        tp, mesh = self.tp, self.mesh
-
-        @functools.cache
-        def program(filtered, num_logprobs, masked, count):
-            def body(logits, *rest):
-                return resample(filtered, num_logprobs, masked, tp.gather_vocab(logits), *rest)
-
-            return jax.shard_map(body, mesh=mesh, in_specs=(_LOGITS_SPEC, *[P()] * count),
-                                 out_specs=(P(), P(), P(), P()), check_vma=False)
-
-        def sharded(filtered, num_logprobs, masked, logits, *rest):
-            return program(filtered, num_logprobs, masked, len(rest))(logits, *rest)
-
-        return sharded
 
     def layout(self, shape: StepShape) -> StepLayout:
         return self.packer.layout(shape)
