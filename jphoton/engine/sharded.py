@@ -30,8 +30,8 @@ def check_placement(params, mesh, param_specs) -> None:
 
 
 def step_jit(params, kv_sharding, logits_sharding, replicated):
-    """`jax.jit` with the step's shardings pinned (the step's static shape first; params, KV and both output buffers
-    of the slot donated)."""
+    """`jax.jit` with the step's shardings pinned (the step's shape static; the KV pool and the slot's two output
+    buffers donated, as on one device)."""
     kv_shardings = (kv_sharding, kv_sharding)
     return functools.partial(
         jax.jit, static_argnums=(0,), donate_argnums=(2, 4, 5),
