@@ -182,5 +182,7 @@ def test_a_regex_whose_dfa_explodes_builds_nothing_and_the_process_survives():
     voc = AutomatonVocab([bytes([i]) for i in range(256)], 256, (0,))
     result = A.regex_index("(a|b)*a(a|b){22}", voc, memory_bytes=512 * 2**20, timeout_s=60)
     assert isinstance(result, str) and "failed" in result
-    start, transitions, finals = A.regex_index("(a|b)*a(a|b){2}", voc)
-    assert len(transitions) >= 8 and finals
+    index = A.regex_index("(a|b)*a(a|b){2}", voc)
+    assert len(index.states) >= 8 and len(index.finals)
+    tokens, targets = index.edges(index.initial)  # "a" and "b" from the start
+    assert sorted(tokens.tolist()) == [ord("a"), ord("b")] and len(targets) == 2
