@@ -101,7 +101,7 @@ class AsyncLLM:
         self._stop = False
         self._error: BaseException | None = None
         self._preparer = Preparer(on_done=self._wake.set)
-        tokenize_long_prompts_apart(llm)
+        start_serving(llm)
         self._text_limits = llm.text_limits()
         self._thread = threading.Thread(target=self._run, name="jphoton-engine", daemon=True)
         self._thread.start()
@@ -250,11 +250,15 @@ class ChatPrompt:
     messages: list
 
 
-def tokenize_long_prompts_apart(llm: LLM) -> None:
-    """Servers: long prompts are tokenized in a helper process (jphoton/tokenizer.py, HELPER_MIN_CHARS), so that no
-    thread of the serving process waits seconds for the GIL."""
+def start_serving(llm: LLM) -> None:
+    """Set up a process to serve `llm` (the servers, AsyncLLM) so that no one-off piece of work holds the GIL, and with
+    it the engine thread and every stream, for long: long prompts are tokenized in a helper process
+    (jphoton/tokenizer.py, HELPER_MIN_CHARS: seconds), and llguidance's first matcher, which builds its token tables
+    (~250 ms on the 2-core CPU box), is built now rather than in the first constrained request. (LLM() has already
+    frozen its start-up objects out of garbage collection: EngineConfig.freeze_gc.)"""
     if hasattr(llm.tokenizer, "use_helper_process"):
         llm.tokenizer.use_helper_process()
+    llm.grammar.warm()
 
 
 def prepare(llm: LLM, prompt, params: SamplingParams | None, request_id: int | None = None):

@@ -79,6 +79,16 @@ class GrammarCompiler:
             self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name the problem, not the state
         return llguidance
 
+    def warm(self) -> None:
+        """Build one matcher now: llguidance's first matcher of a tokenizer builds its token tables, holding the GIL
+        for ~250 ms (2-core CPU box), which in a server would stall every stream during the first constrained
+        request. Nothing without llguidance or a tokenizer."""
+        try:
+            self._llguidance()
+        except (ImportError, ValueError):
+            return
+        self._matcher("regex", "a")
+
     def compile(self, params: SamplingParams, wait_automaton: bool = False) -> Constraint | None:
         """Compile the request's constraint; a bad schema/regex/grammar is a ValueError here, at submission. A `choice`
         compiles to nothing: its options are scored as sequences (engine/choice.py). wait_automaton: build the device

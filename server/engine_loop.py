@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.async_llm import Preparer, model_info, prepare, tokenize_long_prompts_apart
+from jphoton.async_llm import Preparer, model_info, prepare, start_serving
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.sequence import RequestOutput
 
@@ -134,7 +134,7 @@ class EngineLoop:
         self.lora_read: queue.SimpleQueue = queue.SimpleQueue()
         self.lora_reading: set[int] = set()
         self.lora_pending: list[list] = []
-        tokenize_long_prompts_apart(llm)
+        start_serving(llm)
 
     def run(self) -> None:
         llm = self.llm

@@ -203,7 +203,17 @@ def test_zombie_rides_along_and_appends_nothing(embedded_llm, hf):
 
 def test_async_engine_serves_many_concurrent_requests(embedded_llm, hf):
     from jphoton.async_llm import AsyncLLM
+    from jphoton.constraints import GrammarCompiler
 
+    g = embedded_llm.grammar
+    fresh = GrammarCompiler(g._tokenizer, g.vocab_size, tuple(g._eos))  # llguidance not set up yet
+    embedded_llm.grammar, saved = fresh, g
+    try:
+        AsyncLLM(embedded_llm).shutdown()
+    finally:
+        embedded_llm.grammar = saved
+    # llguidance's first matcher was built at start (it holds the GIL ~250 ms), not in the first constrained request
+    assert fresh._lltok is not None
     engine = AsyncLLM(embedded_llm)
 
     async def one(i):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -374,6 +375,10 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
     llm = srv.llm
     saved = llm.engine_config
     llm.engine_config = dataclasses.replace(saved, limits=Limits(max_prompt_bytes=32 * 2**20))  # admit 15 MB
+    # A served LLM has frozen its start-up objects out of garbage collection (EngineConfig.freeze_gc); the tests'
+    # engines do not (conftest.make_llm), and a full collection held the GIL for 100-360 ms on the busy CI box.
+    gc.collect()
+    gc.freeze()
     big = ("All work and no play makes Jack a dull boy. " * (megabytes * 2**20 // 44 + 1))[:megabytes * 2**20]
     try:
         def gaps(during=None):
