@@ -80,16 +80,38 @@ class Preparer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _work(self, key, fn) -> None:
-        try:
-            result = fn()
-        except ValueError as e:
-            result = e
-        except Exception as e:  # noqa: BLE001 - a bug in preparation fails this request, not the server
-            log.exception("preparing a request failed")
-            result = ValueError(f"cannot prepare the request: {type(e).__name__}: {e}")
-        self._done.put((key, result))
+        self._done.put((key, run_preparation(fn)))
         if self.on_done is not None:
             self.on_done()
+
+
+def run_preparation(fn: Callable[[], Any]):
+    """fn's result, or the ValueError that says why the request cannot be served (a bug becomes one too: it fails this
+    request, not the server)."""
+    try:
+        return fn()
+    except ValueError as e:
+        return e
+    except Exception as e:  # noqa: BLE001
+        log.exception("preparing a request failed")
+        return ValueError(f"cannot prepare the request: {type(e).__name__}: {e}")
+
+
+INLINE_MAX_CHARS = 2048  # a text prompt up to this long is tokenized in ~0.2 ms (2-core CPU box, 540 chars: 0.16)
+
+
+def quick_to_prepare(prompt, params: SamplingParams | None) -> bool:
+    """A request whose preparation is bounded and short: token ids or a short text, no constraint to compile, no chat
+    template. An engine loop prepares these itself, in the tick they arrive, rather than on a worker thread whose
+    result waits for the next tick (~1 step of TTFT)."""
+    if params is not None and params.constraint is not None:
+        return False
+    if isinstance(prompt, str):
+        return len(prompt) <= INLINE_MAX_CHARS
+    if isinstance(prompt, dict):  # {"prompt_token_ids": [...]}: checked, never tokenized
+        ids = prompt.get("prompt_token_ids")
+        return hasattr(ids, "__len__") and len(ids) <= INLINE_MAX_CHARS * 4
+    return False
 
 
 class AsyncLLM:

@@ -5,6 +5,7 @@ list of events per tick, until every frontend has sent "shutdown" or gone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
@@ -20,13 +21,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.async_llm import Preparer, model_info, prepare, start_serving
+from jphoton.async_llm import Preparer, model_info, prepare, quick_to_prepare, run_preparation, start_serving
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.sequence import RequestOutput
 
 log = logging.getLogger("jphoton.server")
 
 _STATS_EVERY_S = 0.25  # the child pushes a stats snapshot this often while busy (metrics scrapes read it)
+INLINE_BUDGET_S = 0.001  # of a tick, for preparing quick requests in the engine loop itself
 LORA_WAIT_S = 60.0  # a LoRA load waits this long for a draining slot (as LLM.load_lora's default timeout)
 
 
@@ -93,6 +95,14 @@ def child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: t
     os._exit(0)
 
 
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _send_quietly(conn, data: bytes) -> bool:
     """Send to a frontend that may be gone (its process died, or it closed its ends); False if it is."""
     try:
@@ -126,9 +136,15 @@ class EngineLoop:
         self.stopping = False
         self.out: list[list] = [[] for _ in links]
         self.stats_at = 0.0
+        self.inline_until = 0.0
         self.programs_left = True  # compiled programs not yet run once (LLM.run_programs_once): run while idle
+        # A thread that finishes work for the loop (a request prepared, an adapter read) writes a byte here: an idle
+        # loop waits on the pipes and this, and takes the work at once (it polled every 5 ms: +5 ms to a TTFT).
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
         # Requests are prepared (tokenized, constraint compiled) on worker threads: a huge prompt never stalls a tick.
-        self.preparer = Preparer()
+        self.preparer = Preparer(on_done=self._wake)
         # LoRA loads: adapters are read on threads (lora_reading: nonces), installed between ticks (lora_pending:
         # [nonce, name, adapter, deadline once a draining slot was found]).
         self.lora_read: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,10 +156,9 @@ class EngineLoop:
         llm = self.llm
         while True:
             busy = llm.has_unfinished_requests()
-            # Block on the pipes only when there is nothing to step (the first command wakes us); while requests are
-            # being prepared, look back soon.
-            waiting = self.preparer.pending() or self.lora_reading or self.lora_pending
-            timeout = 0 if busy or self.stopping else 0.005 if waiting else 0.5
+            # Block on the pipes only when there is nothing to step (a command or finished preparation wakes us); an
+            # adapter waiting for a draining slot is retried soon.
+            timeout = 0 if busy or self.stopping else 0.005 if self.lora_pending else 0.5
             if timeout == 0.5 and self.programs_left:  # idle: one program's first run, then look at the pipes
                 ran = llm.run_programs_once(limit=1)
                 self.programs_left = bool(ran) or not llm.warmup.all_ready
@@ -151,11 +166,17 @@ class EngineLoop:
                     timeout = 0
                 elif not self.programs_left and llm.stats()["programs_run_once"]:
                     log.info("every program has run once (%d)", llm.stats()["programs_run_once"])
-            if timeout == 0 or self.n == 1:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
-                ready = [i for i in sorted(self.open) if self.commands[i].poll(timeout)]
+            if timeout == 0:  # (a poll costs a few us a pipe; a wait over several, a selector's setup)
+                ready = [i for i in sorted(self.open) if self.commands[i].poll(0)]
             else:
                 conns = [self.commands[i] for i in self.open]
-                ready = [self.commands.index(c) for c in mp_connection.wait(conns, timeout)] if conns else []
+                woke = mp_connection.wait([*conns, self.wake_fd], timeout)
+                ready = sorted(self.commands.index(c) for c in woke if c is not self.wake_fd)
+                if self.wake_fd in woke:
+                    _drain_pipe(self.wake_fd)
+            # Quick requests are prepared here, in the tick they arrive, up to INLINE_BUDGET_S of it (a burst of
+            # arrivals goes on to the worker threads); the rest wait a tick for their worker.
+            self.inline_until = time.perf_counter() + INLINE_BUDGET_S
             for i in ready:
                 self._drain(i)
             self._add_prepared()
@@ -178,6 +199,12 @@ class EngineLoop:
                     self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
                 self._flush()
                 return
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:  # full: the loop has wake-ups pending already
+            pass
 
     def _flush(self) -> None:
         for i, out in enumerate(self.out):
@@ -210,7 +237,11 @@ class EngineLoop:
                 _, rid, prompt, params, name = cmd
                 if name is not None:
                     self.named[name], self.name_of[rid] = rid, name
-                self.preparer.submit(rid, lambda p=prompt, q=params: prepare(llm, p, q))
+                work = functools.partial(prepare, llm, prompt, params)
+                if quick_to_prepare(prompt, params) and time.perf_counter() < self.inline_until:
+                    self._admit(rid, run_preparation(work), False)
+                else:
+                    self.preparer.submit(rid, work)
             elif kind == "abort":
                 self._abort(cmd[1])
             elif kind == "abort_named":
@@ -240,19 +271,23 @@ class EngineLoop:
 
     def _add_prepared(self) -> None:
         for rid, seq, cancelled in self.preparer.take():
-            if isinstance(seq, ValueError):
-                self.out[rid % self.n].append(("reject", rid, str(seq)))
+            self._admit(rid, seq, cancelled)
+
+    def _admit(self, rid: int, seq, cancelled: bool) -> None:
+        """Add a prepared request (seq: its Sequence, or the ValueError that rejects it)."""
+        if isinstance(seq, ValueError):
+            self.out[rid % self.n].append(("reject", rid, str(seq)))
+            self._forget_name(rid)
+        elif cancelled or rid % self.n not in self.open:
+            self._output(seq.output(seq.finish("abort")), rid)
+        else:
+            try:
+                self.llm.add_request(seq)
+            except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
+                self.out[rid % self.n].append(("reject", rid, str(e)))
                 self._forget_name(rid)
-            elif cancelled or rid % self.n not in self.open:
-                self._output(seq.output(seq.finish("abort")), rid)
             else:
-                try:
-                    self.llm.add_request(seq)
-                except ValueError as e:  # checked when prepared, no longer true (its LoRA adapter was unloaded since)
-                    self.out[rid % self.n].append(("reject", rid, str(e)))
-                    self._forget_name(rid)
-                else:
-                    self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
+                self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
 
     def _read_lora(self, nonce: int, name: str, path: str) -> None:
         if self.stopping:
@@ -265,6 +300,7 @@ class EngineLoop:
             except BaseException as e:  # noqa: BLE001 - answered as this load's error (lora_error sorts it)
                 result = e
             self.lora_read.put((nonce, name, result))
+            self._wake()
 
         self.lora_reading.add(nonce)
         threading.Thread(target=read, name="jphoton-lora-read", daemon=True).start()

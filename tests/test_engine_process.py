@@ -300,3 +300,53 @@ def test_the_idle_engine_loop_runs_each_program_once(monkeypatch):
         loop.join(timeout=60)
     assert not loop.is_alive()
     assert llm.engine.runner.first_ran == set(llm.warmup.ready_programs())
+
+
+def test_quick_requests_are_prepared_in_the_engine_loop_and_others_wake_it(embedded_llm, monkeypatch):
+    """Token ids and short text are prepared by the engine loop in the tick they arrive (a worker's result waited for the
+    next tick: ~1 step of TTFT); a constraint or a long text still goes to a worker thread, whose result wakes an idle
+    loop at once (it polled every 5 ms)."""
+    import multiprocessing as mp
+    import pickle
+    import threading
+
+    from jphoton.async_llm import INLINE_MAX_CHARS
+    from server.engine_loop import EngineLoop
+
+    llm = embedded_llm
+    where, prepared, added, plain_prepare, plain_add = {}, {}, {}, llm.prepare_request, llm.add_request
+
+    def prepare_request(prompt, params, request_id=None):
+        where[params.max_tokens] = threading.current_thread().name
+        seq = plain_prepare(prompt, params, request_id=request_id)
+        prepared[params.max_tokens] = time.monotonic()
+        return seq
+
+    def add_request(seq):
+        added[seq.params.max_tokens] = time.monotonic()
+        return plain_add(seq)
+
+    monkeypatch.setattr(llm, "prepare_request", prepare_request)
+    monkeypatch.setattr(llm, "add_request", add_request)
+    cmd_recv, cmd_send = mp.Pipe(duplex=False)
+    ev_recv, ev_send = mp.Pipe(duplex=False)
+    loop = threading.Thread(target=EngineLoop(llm, [(cmd_recv, ev_send)]).run, name="engine-loop")
+    loop.start()
+    requests = {1: {"prompt_token_ids": [5, 6, 7]}, 2: "A short prompt.", 3: "x" * (INLINE_MAX_CHARS + 1),
+                4: "A short prompt with a constraint."}
+    try:
+        for max_tokens, prompt in requests.items():
+            params = SamplingParams(max_tokens=max_tokens, regex="[ab]+" if max_tokens == 4 else None)
+            cmd_send.send_bytes(pickle.dumps(("add", max_tokens, prompt, params, None)))
+            finished = False
+            while not finished:
+                assert ev_recv.poll(30)
+                finished = any(e[0] == "out" and e[1] == max_tokens and e[4] is not None
+                               for e in pickle.loads(ev_recv.recv_bytes()))
+            if max_tokens >= 3:  # a worker prepared it on an idle loop: 0.5 s (the idle wait) without the wake-up
+                assert added[max_tokens] - prepared[max_tokens] < 0.4
+    finally:
+        cmd_send.send_bytes(pickle.dumps(("shutdown",)))
+        loop.join(timeout=60)
+    assert where[1] == where[2] == "engine-loop"
+    assert where[3].startswith("jphoton-prepare") and where[4].startswith("jphoton-prepare")
