@@ -328,7 +328,8 @@ def serve_child(spec: dict) -> None:
     frontends = spec["frontends"] or 1
     print(f"frontends: {frontends}", flush=True)
     asyncio.run(run_until_signal(model, port=0, max_queue=4096, grace=5, switch_interval=spec["switch_interval"],
-                                 frontends=frontends))
+                                 frontends=frontends, **({} if spec["max_message_rate"] is None else
+                                                         {"max_message_rate": spec["max_message_rate"]})))
 
 
 def build_engine(spec: dict):
@@ -407,6 +408,7 @@ def engine_staggered(llm, prompts, new_tokens: int, c: int, per_client: int, dur
 def start_server(args, server: str, frontends: int | None = None) -> tuple[subprocess.Popen, str, dict]:
     spec = {"server": server, "frontends": frontends, "model": args.model, "dtype": args.dtype, "engine": engine_kwargs(args),
             "switch_interval": args.switch_interval, "baseline": args.engine_baseline,
+            "max_message_rate": args.max_message_rate,
             "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "requests_per_client": args.requests_per_client}
     print(f"server: {spec}", flush=True)
@@ -470,6 +472,9 @@ def main(argv=None):
                     help="load-generator processes (at most one per concurrent stream), each with its own channel")
     ap.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-message-rate", type=float, default=None,
+                    help="the server's tokens a second per frontend before streams' tokens are paced (0: never; "
+                         "default: `jphoton serve`'s)")
     ap.add_argument("--switch-interval", type=float, default=0.001,
                     help="the server process's GIL switch interval, s (what `jphoton serve` uses; Python's default 0.005)")
     ap.add_argument("--no-engine-baseline", dest="engine_baseline", action="store_false",

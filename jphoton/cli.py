@@ -222,7 +222,8 @@ def _cmd_serve(args) -> int:
     try:  # the engine in a process of its own (server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
-                                     grace=args.grace, frontends=frontends))
+                                     grace=args.grace, frontends=frontends,
+                                     max_message_rate=args.max_message_rate))
     except OSError as e:  # the port is taken or the address is not ours
         print(f"jphoton: error: {e}", file=sys.stderr)
         return 2
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full (by default full KV pages of shared prompt prefixes are reused)")
     s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
+    s.add_argument("--max-message-rate", type=_non_negative, default=16_000,
+                   help="tokens a second per frontend past which a stream's tokens go out every 2-4 steps, in one "
+                        "message each (keeps the event loop, and so TTFT, ahead under load); 0: every step")
     s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
     _add_lora_args(s, serve=True)

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.engine_loop import exit_with_parent
-from server.engine_process import EngineLink, EngineProcess, Spawn
+from server.engine_process import DEFAULT_MAX_MESSAGE_RATE, EngineLink, EngineProcess, Spawn
 from server.metrics import Metrics
 from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
 
@@ -47,7 +47,8 @@ class Server:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue: int = DEFAULT_MAX_QUEUE,
                  metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 frontends: int = 1, reuse_port: bool = False, frontend_index: int = 0):
+                 frontends: int = 1, reuse_port: bool = False, frontend_index: int = 0,
+                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE):
         if frontends < 1:
             raise ValueError(f"frontends must be >= 1, got {frontends}")
         if frontends > 1 and metrics_port is not None and not Metrics.multiprocess():
@@ -68,6 +69,7 @@ class Server:
         self.admission = Admission(-(-max_queue // frontends))
         self.servicer = EngineServicer(self.admission, self.metrics)
         self.max_message_bytes = max_message_bytes
+        self.max_message_rate = max_message_rate
         self.health: health.aio.HealthServicer | None = None  # grpc.aio objects are made on the serving loop, in start()
         self._grpc: grpc.aio.Server | None = None
         self._engine_process: EngineProcess | None = None
@@ -119,10 +121,10 @@ class Server:
             raise ValueError("several frontends need the engine in a process of its own (a Spawn)")
         if isinstance(model, (Spawn, EngineLink)):
             if isinstance(model, Spawn):
-                llm = EngineProcess(model, frontends=self.frontends)
+                llm = EngineProcess(model, frontends=self.frontends, max_message_rate=self.max_message_rate)
                 self._start_frontends(llm.links)
             else:
-                llm = EngineProcess(link=model)
+                llm = EngineProcess(link=model, max_message_rate=self.max_message_rate)
             self._engine_process = llm
             await _in_daemon_thread(llm.start)
             # SERVING once every frontend serves: the port is shared, so a call right after it may reach any of them
@@ -159,7 +161,7 @@ class Server:
         ctx = multiprocessing.get_context("spawn")
         levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
         kwargs = dict(host=self.host, port=self.port, max_queue=self.admission.capacity,
-                      max_message_bytes=self.max_message_bytes,
+                      max_message_bytes=self.max_message_bytes, max_message_rate=self.max_message_rate,
                       metrics_port=None, reuse_port=True)
         for link in links:
             ready = ctx.Event()
@@ -283,12 +285,14 @@ class ServerThread:
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEFAULT_MAX_QUEUE,
           metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          wait: bool = True, frontends: int = 1) -> ServerThread:
+          wait: bool = True, frontends: int = 1,
+          max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE) -> ServerThread:
     """Start a server for `model` (an LLM, a callable that builds one, or a `Spawn`: the engine in a child process)
     on a background thread. Returns once the port is open, and, with wait=True, once the model is SERVING.
     handle.port, handle.stop(grace). frontends > 1: a Spawn served from that many processes (Server's doc)."""
     handle = ServerThread(Server(host=host, port=port, max_queue=max_queue, metrics_port=metrics_port,
-                                 max_message_bytes=max_message_bytes, frontends=frontends)).start(model)
+                                 max_message_bytes=max_message_bytes, frontends=frontends,
+                                 max_message_rate=max_message_rate)).start(model)
     if wait:
         handle.wait_ready()
     return handle

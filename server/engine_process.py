@@ -32,10 +32,12 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +49,11 @@ from server.engine_loop import LORA_WAIT_S, LoraError, child_main, lora_error
 __all__ = ["LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError", "Rejected", "Spawn", "lora_error"]
 
 log = logging.getLogger("jphoton.server")
+
+# One frontend's event loop wrote ~17-19k messages a second at most on the H100 host (1B, 1.97 tokens a message at 64
+# streams); past about 16k its writes delayed new calls (TTFT). lab/probes/frontend_capacity.py, docs/serving.md.
+DEFAULT_MAX_MESSAGE_RATE = 16_000.0
+MAX_PACE = 4
 
 @dataclasses.dataclass(frozen=True)
 class Spawn:
@@ -81,9 +88,12 @@ class EngineProcess:
 
     frontends: pipe pairs to make, one per frontend process; this object serves through the first, `links` are the
     others' (hand each to a frontend process, then `close()` them here). link: serve through another frontend's pair
-    (in that frontend's process); the engine process is then not ours to start or stop."""
+    (in that frontend's process); the engine process is then not ours to start or stop. max_message_rate: past this
+    many tokens a second over its streams (0: no limit), a started stream gets one message every 2 (3, 4) ticks,
+    carrying those ticks' tokens; first tokens and finishes are never held."""
 
-    def __init__(self, spawn: Spawn | None = None, *, frontends: int = 1, link: EngineLink | None = None):
+    def __init__(self, spawn: Spawn | None = None, *, frontends: int = 1, link: EngineLink | None = None,
+                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE):
         if (spawn is None) == (link is None):
             raise ValueError("EngineProcess needs a Spawn or a link, not both")
         self.spawn = spawn
@@ -113,6 +123,11 @@ class EngineProcess:
         self._ids_count = count
         self._remote_pid: int | None = None
         self._sinks: dict[int, asyncio.Queue] = {}
+        # Pacing (`_pace`): streams that have their first token, outputs held back until their stream's turn, ticks.
+        self.max_message_rate = max_message_rate
+        self._started: set[int] = set()
+        self._held: dict[int, list[RequestOutput]] = {}
+        self._ticks, self._last_tick, self._tick_s = 0, 0.0, None
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._lora_waiters: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -313,7 +328,21 @@ class EngineProcess:
         except RuntimeError:
             pass
 
+    def _pace(self) -> int:
+        """Ticks between a started stream's messages: 1 while the streams' tokens come at most `max_message_rate` a
+        second, more beyond (up to MAX_PACE). Every gRPC message costs this process's event loop tens of us; past its
+        rate the loop falls behind, and a new call waits behind the writes (TTFT)."""
+        now = time.perf_counter()
+        dt, self._last_tick = now - self._last_tick, now
+        if dt < 0.1:  # ticking (not the first tick after idle)
+            self._tick_s = dt if self._tick_s is None else 0.9 * self._tick_s + 0.1 * dt
+        if not self.max_message_rate or not self._tick_s:
+            return 1
+        return max(1, min(MAX_PACE, math.ceil(len(self._started) / self._tick_s / self.max_message_rate)))
+
     def _dispatch(self, events: list) -> None:
+        self._ticks += 1
+        tick, pace = self._ticks, self._pace()
         for ev in events:
             kind = ev[0]
             if kind == "out":
@@ -321,10 +350,19 @@ class EngineProcess:
                 sink = self._sinks.get(rid)
                 if sink is None:
                     continue
+                out = RequestOutput(rid, Delta(token_ids, text, reason), logprobs, prompt_tokens, completion_tokens,
+                                    error, choice)
+                if reason is None and pace > 1 and rid in self._started and (tick + rid // self._ids_count) % pace:
+                    self._held.setdefault(rid, []).append(out)  # this stream's turn comes at a later tick
+                    continue
+                for held in self._held.pop(rid, ()):
+                    sink.put_nowait(held)
                 if reason is not None:
                     del self._sinks[rid]
-                sink.put_nowait(RequestOutput(rid, Delta(token_ids, text, reason), logprobs, prompt_tokens,
-                                              completion_tokens, error, choice))
+                    self._started.discard(rid)
+                else:
+                    self._started.add(rid)
+                sink.put_nowait(out)
             elif kind == "reject":
                 sink = self._sinks.pop(ev[1], None)
                 if sink is not None:
@@ -354,6 +392,8 @@ class EngineProcess:
         for sink in self._sinks.values():
             sink.put_nowait(None)  # the servicer answers INTERNAL
         self._sinks.clear()
+        self._held.clear()
+        self._started.clear()
         for fut in self._lora_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDied(f"the engine process is gone: {why}"))

@@ -108,3 +108,40 @@ def test_coalesced_messages_carry_exactly_the_streamed_text(embedded_llm):
     assert [t for m in msgs for t in m.token_ids] == ref.token_ids
     assert "".join(m.text for m in msgs) == ref.text
     assert msgs[-1].finish_reason == ref.finish_reason
+
+
+@pytest.mark.parametrize("rate", [0.0, 1000.0])
+def test_streams_past_the_message_rate_get_a_message_every_few_ticks(rate):
+    """EngineProcess paces started streams once their tokens come faster than max_message_rate a second (here: ticks
+    microseconds apart, so at the most, MAX_PACE): each stream's outputs then reach its queue every MAX_PACE ticks,
+    spread over the ticks, while first tokens and finishes go at once and nothing is lost or reordered. rate 0: every
+    tick."""
+    import multiprocessing as mp
+
+    from server.engine_process import MAX_PACE, EngineLink, EngineProcess
+
+    ends = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
+    proc = EngineProcess(link=EngineLink(0, 1, ends[0][1], ends[1][0]), max_message_rate=rate)
+    streams, ticks = 16, 12
+    for rid in range(streams):
+        proc._sinks[rid] = asyncio.Queue()
+    woken = []  # per tick: the streams whose queue got something
+    for t in range(ticks):
+        last = t == ticks - 1
+        before = [proc._sinks[r].qsize() if r in proc._sinks else None for r in range(streams)]
+        queues = dict(proc._sinks)
+        proc._dispatch([("out", rid, [100 * rid + t], f"<{t}>", "length" if last else None, None, 3, t + 1, None, None)
+                        for rid in range(streams)])
+        woken.append({r for r in range(streams) if queues[r].qsize() != before[r]})
+    assert woken[0] == set(range(streams)) and woken[-1] == set(range(streams))  # first tokens, finishes
+    for t in range(1, ticks - 1):
+        if rate:
+            assert len(woken[t]) == streams // MAX_PACE  # a quarter of the streams each tick
+        else:
+            assert woken[t] == set(range(streams))
+    for rid, q in queues.items():
+        outs = [q.get_nowait() for _ in range(q.qsize())]
+        assert [tok for o in outs for tok in o.delta.token_ids] == [100 * rid + t for t in range(ticks)]
+        assert "".join(o.delta.text for o in outs) == "".join(f"<{t}>" for t in range(ticks))
+        assert outs[-1].delta.finish_reason == "length"
+    assert not proc._held and not proc._started and not proc._sinks

@@ -99,34 +99,47 @@ class StandInLLM:
                 "waiting": 0, "max_queue": 1024, "steps": self.steps, "ticking_s": self.ticking_s}
 
 
-def trace(port: int, n: int) -> None:
-    """Requests one at a time on an idle server: where the time to the first token goes (all clocks CLOCK_MONOTONIC)."""
-    import statistics
-
+def _trace_client(port: int, n: int, conn) -> None:
+    """A client process: n requests one at a time; sends back (sent, received, prepared, added, stepped) for each."""
     import grpc
 
     from server import jphoton_pb2 as pb
     from server import jphoton_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    out = []
+    for _ in range(n):
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 16), sampling=pb.SamplingParams(max_tokens=2))
+        t0 = time.perf_counter()
+        first = next(iter(stub.Generate(request, timeout=30)))
+        out.append((t0, time.perf_counter(), *map(float, first.text.split()[:3])))
+        time.sleep(0.05)
+    conn.send(out)
+
+
+def trace(port: int, n: int) -> None:
+    """Requests one at a time from a client process: where the time to the first token goes (all clocks
+    CLOCK_MONOTONIC, system-wide)."""
+    import multiprocessing
+    import statistics
+
     from server.engine_process import EngineProcess
 
     submitted = []  # when the frontend's servicer handed each request to the engine process
     plain_submit = EngineProcess.submit
     EngineProcess.submit = lambda self, *a, **k: submitted.append(time.perf_counter()) or plain_submit(self, *a, **k)
-    stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    legs = []
-    for _ in range(n):
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 16), sampling=pb.SamplingParams(max_tokens=2))
-        t0 = time.perf_counter()
-        first = next(iter(stub.Generate(request, timeout=30)))
-        t_got = time.perf_counter()
-        prepared, added, stepped = map(float, first.text.split()[:3])
-        legs.append((submitted[-1] - t0, prepared - submitted[-1], added - prepared, stepped - added, t_got - stepped))
-        time.sleep(0.05)
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    client = ctx.Process(target=_trace_client, args=(port, n, theirs), daemon=True)
+    client.start()
+    stamps = mine.recv()
+    client.join()
     EngineProcess.submit = plain_submit
+    legs = [(sub - t0, prepared - sub, added - prepared, stepped - added, got - stepped)
+            for (t0, got, prepared, added, stepped), sub in zip(stamps, submitted[-n:], strict=True)]
     for name, xs in zip(("send -> submitted", "submitted -> prepared", "prepared -> added", "added -> step end",
-                         "step end -> client"),
-                        zip(*legs, strict=True), strict=True):
-        print(f"{name:20s} median {statistics.median(xs) * 1e3:6.2f} ms  max {max(xs) * 1e3:6.2f}")
+                         "step end -> client"), zip(*legs, strict=True), strict=True):
+        print(f"{name:22s} median {statistics.median(xs) * 1e3:6.2f} ms  max {max(xs) * 1e3:6.2f}")
 
 
 def main() -> None:
@@ -142,11 +155,14 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=2)
     ap.add_argument("--channels-per-proc", type=int, default=4)
     ap.add_argument("--out", type=pathlib.Path)
+    ap.add_argument("--max-message-rate", type=float, help="the server's (default: its default)")
     ap.add_argument("--trace", type=int, default=0, help="first: N requests one at a time, each one's path timed")
     ap.add_argument("--trace-load", type=int, default=0, help="... beside this many long streams")
     args = ap.parse_args()
 
-    handle = serve(Spawn(functools.partial(StandInLLM, args.tick_ms / 1e3)), port=0, max_queue=1024)
+    sys.setswitchinterval(0.001)  # as `jphoton serve` sets its frontend's (server/app.py run_until_signal)
+    handle = serve(Spawn(functools.partial(StandInLLM, args.tick_ms / 1e3)), port=0, max_queue=1024,
+                   **({} if args.max_message_rate is None else {"max_message_rate": args.max_message_rate}))
     if args.trace:
         background = None
         if args.trace_load:
