@@ -72,8 +72,13 @@ def test_the_engine_runs_in_another_process(proc_srv):
     assert info.vocab_size > 0 and info.dtype == "float32"
 
 
-def test_streams_equal_llm_generate(proc_srv):
+@pytest.mark.parametrize("paced", [False, True])
+def test_streams_equal_llm_generate(proc_srv, paced, monkeypatch):
+    """Also with every started stream paced (max_message_rate 1 token a second: a message every MAX_PACE ticks): the
+    same tokens, text, logprobs and usage, in fewer messages."""
     handle, stub, refs, lp_ref, chat_ref = proc_srv
+    if paced:
+        monkeypatch.setattr(handle.server.servicer.engine, "max_message_rate", 1.0)
     compiles = _stats(stub).num_compiles
 
     async def run():
@@ -100,6 +105,8 @@ def test_streams_equal_llm_generate(proc_srv):
         assert lp.logprob == pytest.approx(logprob, abs=1e-3)  # batched with 5 other streams: float32 rounding
         assert list(lp.top_token_ids) == list(top.keys())
     assert got[5][0] == chat_ref.token_ids and got[5][1] == chat_ref.text
+    if paced:
+        assert max(len(m.token_ids) for _, _, msgs in got for m in msgs) > 1
     assert _wait_idle(stub).num_compiles == compiles  # warm-up was "full": nothing compiles while serving
 
 
