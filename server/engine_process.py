@@ -343,6 +343,7 @@ class EngineProcess:
     def _dispatch(self, events: list) -> None:
         self._ticks += 1
         tick, pace = self._ticks, self._pace()
+        held_now: set[int] = set()
         for ev in events:
             kind = ev[0]
             if kind == "out":
@@ -354,6 +355,7 @@ class EngineProcess:
                                     error, choice)
                 if reason is None and pace > 1 and rid in self._started and (tick + rid // self._ids_count) % pace:
                     self._held.setdefault(rid, []).append(out)  # this stream's turn comes at a later tick
+                    held_now.add(rid)
                     continue
                 for held in self._held.pop(rid, ()):
                     sink.put_nowait(held)
@@ -383,6 +385,9 @@ class EngineProcess:
                     fut.set_result(result) if ok else fut.set_exception(LoraError(*result))
             elif kind == "fatal":
                 self._died(ev[1])
+        for rid in [r for r in self._held if r not in held_now]:  # no token this tick (preempted): none waits for one
+            for held in self._held.pop(rid):
+                self._sinks[rid].put_nowait(held)
 
     def _died(self, why: str) -> None:
         if self._error is not None:
