@@ -123,7 +123,7 @@ class AsyncLLM:
         self._stop = False
         self._error: BaseException | None = None
         self._preparer = Preparer(on_done=self._wake.set)
-        start_serving(llm)
+        start_serving(llm, warm_grammar=False)  # (warmed on the engine thread: this runs on the caller's event loop)
         self._text_limits = llm.text_limits()
         self._thread = threading.Thread(target=self._run, name="jphoton-engine", daemon=True)
         self._thread.start()
@@ -200,6 +200,7 @@ class AsyncLLM:
         llm._driver = threading.get_ident()  # from now on only this thread may step the LLM (LLM._check_driver)
         llm._wake_driver = self._wake.set  # generate() from other threads adds requests and waits for our ticks
         try:
+            llm.grammar.warm()  # here, not in __init__: that runs on the server's event loop, which answers health checks
             while not self._stop:
                 with llm._engine_lock:
                     self._add_prepared()
@@ -272,7 +273,7 @@ class ChatPrompt:
     messages: list
 
 
-def start_serving(llm: LLM) -> None:
+def start_serving(llm: LLM, warm_grammar: bool = True) -> None:
     """Set up a process to serve `llm` (the servers, AsyncLLM) so that no one-off piece of work holds the GIL, and with
     it the engine thread and every stream, for long: long prompts are tokenized in a helper process
     (jphoton/tokenizer.py, HELPER_MIN_CHARS: seconds), and llguidance's first matcher, which builds its token tables
@@ -280,7 +281,8 @@ def start_serving(llm: LLM) -> None:
     frozen its start-up objects out of garbage collection: EngineConfig.freeze_gc.)"""
     if hasattr(llm.tokenizer, "use_helper_process"):
         llm.tokenizer.use_helper_process()
-    llm.grammar.warm()
+    if warm_grammar:
+        llm.grammar.warm()
 
 
 def prepare(llm: LLM, prompt, params: SamplingParams | None, request_id: int | None = None):
