@@ -159,7 +159,8 @@ class EngineLoop:
             # Block on the pipes only when there is nothing to step (a command or finished preparation wakes us); an
             # adapter waiting for a draining slot is retried soon.
             timeout = 0 if busy or self.stopping else 0.005 if self.lora_pending else 0.5
-            if timeout == 0.5 and self.programs_left:  # idle: one program's first run, then look at the pipes
+            # idle, nothing being prepared or read: one program's first run, then look at the pipes
+            if timeout == 0.5 and self.programs_left and not (self.preparer.pending() or self.lora_reading):
                 ran = llm.run_programs_once(limit=1)
                 self.programs_left = bool(ran) or not llm.warmup.all_ready
                 if ran:
