@@ -56,6 +56,10 @@ class StepPacker:
             self._steady = _SteadyPack(plan.shape, [r.seq for r in d], [r.seq.block_table for r in d],
                                        [len(r.seq.block_table) for r in d], inp.packed)
             return inp
+        # A step with prefill rows is packed from scratch, but the last decode-only pack stays the next one's start:
+        # under staggered arrivals every few steps carry a newcomer's prefill, and a full pack after each of them
+        # made the planning of most decode steps ~0.19 ms slower than a static batch's at 64 rows on the H200.
+        self._steady = prev
         return self._pack_full(plan)
 
     @staticmethod
