@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 for tree in this prev; do
   root=$([ $tree = this ] && echo "$PWD" || echo "$PWD/.ab/prev")
   echo "== ticks, $tree"
-  PYTHONPATH=$root:/tmp/site timeout 200 python3 "$root/lab/probes/staggered_ticks.py" --default-engine --concurrency 64 \
+  PYTHONPATH=$root:/tmp/site timeout $([ $tree = this ] && echo 210 || echo 90) python3 "$root/lab/probes/staggered_ticks.py" --default-engine --concurrency 64 \
     --out "$OUT/ticks_$tree.json" 2>&1 | grep '^{' | python3 -c "
 import json, sys
 d = json.loads(sys.stdin.read())
@@ -23,7 +23,7 @@ for tree in this prev this; do
   i=$((i + 1))
   root=$([ $tree = this ] && echo "$PWD" || echo "$PWD/.ab/prev")
   echo "== serving $i, $tree"
-  PYTHONPATH=$root:/tmp/site timeout 150 python3 "$root/benchmarks/serving.py" --model random:llama3.2-1b \
+  PYTHONPATH=$root:/tmp/site timeout 100 python3 "$root/benchmarks/serving.py" --model random:llama3.2-1b \
     --concurrency 32 64 --prompt-len 128 --new-tokens 256 --requests-per-client 4 --servers process --frontends 1 \
     --out "$OUT/serving_${i}_$tree.json" 2>&1 | grep -E "^C=|rror" | cut -c1-260
 done
