@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full (by default full KV pages of shared prompt prefixes are reused)")
     s.add_argument("--max-message-mb", type=_int_in(1, 2047), default=16, help="gRPC message size limit, MiB")
-    s.add_argument("--max-message-rate", type=_non_negative, default=18_000,  # server.engine_process's
+    s.add_argument("--max-message-rate", type=_non_negative, default=30_000,  # server.engine_process's
                    help="tokens a second per frontend past which a stream's tokens go out every 2-4 steps, in one "
                         "message each (keeps the event loop, and so TTFT, ahead under load); 0: every step")
     s.add_argument("--grace", type=_non_negative, default=30.0,
