@@ -1,0 +1,170 @@
+"""Where a pipelined tick's host time goes, below Python (issue 23: at 64 rows under staggered arrivals the loop is
+host-bound on the H200 host: plan 0.48-0.53, launch 0.65-0.70, commit 0.20 ms against a 1.39 ms device step, and the
+leaf-count probe explains only ~0.15 ms of the launch).
+
+The default engine (or narrowed buckets), a static batch of C and then C staggered closed-loop clients
+(benchmarks/serving.py engine_staggered), each under `jax.profiler.trace(..., create_perfetto_trace=True)`. The engine's
+host phases are wrapped in `jax.profiler.TraceAnnotation`s (plan, pack, launch, dispatch, copy_to_host, commit, fetch),
+so that the trace holds them beside PjRt's own host events (argument parsing, input handling, host->device copies,
+output allocation, ...). Printed per scenario: each phase's median and mean ms per call, and for the phases `--inside`
+the self time of the events nested in them (same thread; Python functions too, unless --python-tracer 0), by ms per
+call of the phase. The profiler slows every event a little:
+compare the parts with each other and static with staggered, not with untraced timings.
+
+    python3 lab/probes/tick_trace.py --default-engine --concurrency 64 --out $OUT/tick_trace.json
+    python3 lab/probes/tick_trace.py --model random:smollm2-135m:layers=2:vocab=4096 --concurrency 4 --new-tokens 16 \
+        --prompt-len 32   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import functools
+import glob
+import gzip
+import json
+import random
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, __file__.rsplit("/", 3)[0])
+
+PHASES = {  # annotation name: (object path on the LLM, method name)
+    "plan": ("engine", "_plan"),
+    "pack": ("engine.runner", "pack"),
+    "launch": ("engine", "_launch"),
+    "dispatch": ("engine.runner", "_dispatch_into"),
+    "copy_to_host": ("engine.runner", "_copy_to_host"),
+    "commit": ("engine", "_commit"),
+    "fetch": ("engine.runner", "fetch"),
+}
+
+
+def annotate(llm) -> None:
+    import jax
+
+    for name, (path, method) in PHASES.items():
+        obj = functools.reduce(getattr, path.split("."), llm)
+        fn = getattr(obj, method)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            with jax.profiler.TraceAnnotation(_name):
+                return _fn(*a, **k)
+
+        setattr(obj, method, wrapped)
+
+
+def events(trace_dir: str) -> list[dict]:
+    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+    with gzip.open(path) as f:
+        d = json.load(f)
+    return [e for e in (d["traceEvents"] if isinstance(d, dict) else d) if e.get("ph") == "X" and "dur" in e]
+
+
+def self_times(evs: list[dict]) -> list[tuple[dict, float]]:
+    """Each event with its self time in ms (its duration less its direct children's, on its thread)."""
+    out = []
+    per_tid = collections.defaultdict(list)
+    for e in evs:
+        per_tid[e["tid"]].append(e)
+    for tid_evs in per_tid.values():
+        tid_evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, children's time]
+        for e in tid_evs:
+            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                done, kids = stack.pop()
+                out.append((done, (done["dur"] - kids) / 1e3))
+            if stack:
+                stack[-1][1] += e["dur"]
+            stack.append([e, 0.0])
+        out += [(done, (done["dur"] - kids) / 1e3) for done, kids in stack]
+    return out
+
+
+def summarise(evs: list[dict], inside: list[str], top: int) -> dict:
+    """Per phase: calls, median and mean ms; for the phases in `inside`, the self time of every event nested in them
+    (Python functions and PjRt's host events alike), by name, in ms per call of the phase."""
+    by_name = collections.defaultdict(list)
+    for e in evs:
+        by_name[e["name"]].append(e)
+    out = {}
+    for name in PHASES:
+        ds = [e["dur"] / 1e3 for e in by_name.get(name, [])]
+        if ds:
+            out[name] = {"calls": len(ds), "ms_median": statistics.median(ds), "ms_mean": statistics.fmean(ds)}
+    selfs = self_times(evs)
+    for outer in inside:
+        spans = sorted(by_name.get(outer, []), key=lambda e: e["ts"])
+        if not spans:
+            continue
+        starts = [e["ts"] for e in spans]
+        total = collections.Counter()
+        for e, ms in selfs:
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            if i >= 0 and e["tid"] == spans[i]["tid"] and e["ts"] + e["dur"] <= spans[i]["ts"] + spans[i]["dur"]:
+                total[e["name"]] += ms
+        out[outer]["self_ms_per_call"] = {k: round(v / len(spans), 4) for k, v in total.most_common(top)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--default-engine", action="store_true", help="the default engine (all buckets) as serving.py")
+    ap.add_argument("--inside", nargs="+", default=["dispatch", "launch", "fetch", "plan"])
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--python-tracer", type=int, default=1, help="0: PjRt's host events and the phases only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import jax
+
+    from benchmarks.common import default_llm, device_info, timed_run
+    from benchmarks.serving import engine_staggered
+    from jphoton import LLM, SamplingParams
+
+    c = args.concurrency
+    if args.default_engine:
+        llm = default_llm(args.model, progress=False)
+    else:
+        llm = LLM(args.model, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
+                  prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
+                  max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
+    rng = random.Random(1)
+    vocab = llm.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    r = timed_run(llm, prompts[:c], params)  # every path once, and the request duration for the staggered starts
+    duration = r.decode_ms_median / 1e3 * args.new_tokens
+    engine_staggered(llm, prompts, args.new_tokens, c, args.requests_per_client, duration)
+    annotate(llm)
+    result = {"device": device_info(), "args": vars(args), "scenarios": {}}
+    for scenario in ("static", "staggered"):
+        with tempfile.TemporaryDirectory() as d:
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = args.python_tracer
+            with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=options):
+                if scenario == "static":
+                    timed_run(llm, prompts[:c], params)
+                else:
+                    engine_staggered(llm, prompts, args.new_tokens, c, args.requests_per_client, duration)
+            result["scenarios"][scenario] = summarise(events(d), args.inside, args.top)
+    for scenario, s in result["scenarios"].items():
+        print(f"== {scenario}")
+        for name, v in s.items():
+            print(f"  {name:13s} {v['calls']:5d} calls  median {v['ms_median']:.3f} ms  mean {v['ms_mean']:.3f} ms")
+            for k, ms in v.get("self_ms_per_call", {}).items():
+                print(f"      {ms:8.4f} ms  {k[:110]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
