@@ -26,6 +26,27 @@ sys.path.insert(0, __file__.rsplit("/", 3)[0])
 NO_WAIT_S = 20e-6
 
 
+class GcClock:
+    """Python GC passes (gc.callbacks): count and ms by generation since the last `take`."""
+
+    def __init__(self):
+        import gc
+
+        self.t0, self.stats = 0.0, {}
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            n, ms = self.stats.get(info["generation"], (0, 0.0))
+            self.stats[info["generation"]] = (n + 1, ms + 1e3 * (time.perf_counter() - self.t0))
+
+    def take(self) -> dict:
+        out, self.stats = {f"gen{g}": [n, round(ms, 2)] for g, (n, ms) in sorted(self.stats.items())}, {}
+        return out
+
+
 def summarise(records, lo: float, hi: float) -> dict:
     recs = sorted((r for r in records if lo <= r.t_launch <= hi), key=lambda r: r.t_launch)
     out: dict = {}
@@ -59,7 +80,11 @@ def main() -> None:
     ap.add_argument("--default-engine", action="store_true",
                     help="the default engine (all buckets, as benchmarks/serving.py builds it) instead of narrowed ones")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gc-threshold", type=int, nargs=3, default=None, help="gc.set_threshold for the timed runs")
+    from benchmarks.llm_args import add_llm_args, parse_llm_args
+    add_llm_args(ap)
     args = ap.parse_args()
+    extra = parse_llm_args(args.llm_args)
     from benchmarks.common import default_llm, device_info, timed_run
     from benchmarks.serving import engine_staggered
     from jphoton import LLM, SamplingParams
@@ -69,30 +94,40 @@ def main() -> None:
     rng = random.Random(1)
     for depth in args.depths:
         if args.default_engine:
-            llm = default_llm(args.model, pipeline_depth=depth, progress=False)
+            llm = default_llm(args.model, pipeline_depth=depth, progress=False, **extra)
         else:
             llm = LLM(args.model, pipeline_depth=depth, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
                       prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
-                      max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
+                      max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False, **extra)
         vocab = llm.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         llm.telemetry.clear()
+        if args.gc_threshold:
+            import gc
+
+            gc.set_threshold(*args.gc_threshold)
+        clock = GcClock()
         t0 = time.perf_counter()
         r = timed_run(llm, prompts[:c], params)
         static = summarise(llm.telemetry.records, t0, time.perf_counter())
+        gc_static = clock.take()
         duration = r.decode_ms_median / 1e3 * args.new_tokens
         st = engine_staggered(llm, prompts, args.new_tokens, c, args.requests_per_client, duration)
+        gc_staggered = clock.take()
         recs = list(llm.telemetry.records)
         # engine_staggered's window: from the last start to the first client running out (its own numbers)
         lo = recs[0].t_launch + duration * (c - 1) / c
         staggered = summarise(recs, lo, lo + st["window_s"])
         res = {"static_tok_s": c / (r.decode_ms_median / 1e3), "staggered_tok_s": st["decode_tok_s"],
                "ratio": st["decode_tok_s"] / (c / (r.decode_ms_median / 1e3)), "static": static,
-               "staggered": staggered, "device_step_ms": llm.device_step_ms(c, context=args.prompt_len + 128)}
+               "staggered": staggered, "device_step_ms": llm.device_step_ms(c, context=args.prompt_len + 128),
+               "gc_static": gc_static, "gc_staggered": gc_staggered}
         out["runs"][f"depth{depth}"] = res
-        print(json.dumps({"depth": depth, "ratio": res["ratio"], "device_step_ms": res["device_step_ms"],
+        print(json.dumps({"depth": depth, "ratio": res["ratio"], "static_tok_s": res["static_tok_s"],
+                          "staggered_tok_s": res["staggered_tok_s"], "gc_static": gc_static,
+                          "gc_staggered": gc_staggered, "device_step_ms": res["device_step_ms"],
                           **{f"{w}.{k}": {m: round(v[m], 3) for m in ("period_ms_mean", "plan_ms_mean",
                                                                       "launch_ms_mean", "wait_ms_mean",
                                                                       "commit_work_ms_mean")} | {"n": v["n"],

@@ -6,9 +6,10 @@ The default engine (or narrowed buckets), a static batch of C and then C stagger
 (benchmarks/serving.py engine_staggered), each under `jax.profiler.trace(..., create_perfetto_trace=True)`. The engine's
 host phases are wrapped in `jax.profiler.TraceAnnotation`s (plan, pack, launch, dispatch, copy_to_host, commit, fetch),
 so that the trace holds them beside PjRt's own host events (argument parsing, input handling, host->device copies,
-output allocation, ...). Printed per scenario: each phase's median and mean ms per call, and for the phases `--inside`
-the self time of the events nested in them (same thread; Python functions too, unless --python-tracer 0), by ms per
-call of the phase. The profiler slows every event a little:
+output allocation, ...) and the GPU's activity. Printed per scenario: how busy the GPU was between the first and the
+last launch (its idle gaps per launch), each phase's median and mean ms per call, and for the phases `--inside` the
+self time of the events nested in them (same thread; Python functions too, unless --python-tracer 0), by ms per call
+of the phase. The profiler slows every event a little:
 compare the parts with each other and static with staggered, not with untraced timings.
 
     python3 lab/probes/tick_trace.py --default-engine --concurrency 64 --out $OUT/tick_trace.json
@@ -57,11 +58,42 @@ def annotate(llm) -> None:
         setattr(obj, method, wrapped)
 
 
-def events(trace_dir: str) -> list[dict]:
+def events(trace_dir: str) -> tuple[list[dict], list[dict]]:
+    """(host events, device events): complete events, split by their process's name (a GPU's lanes)."""
     path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
     with gzip.open(path) as f:
         d = json.load(f)
-    return [e for e in (d["traceEvents"] if isinstance(d, dict) else d) if e.get("ph") == "X" and "dur" in e]
+    evs = d["traceEvents"] if isinstance(d, dict) else d
+    gpu = {e["pid"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    done = [e for e in evs if e.get("ph") == "X" and "dur" in e]
+    return [e for e in done if e["pid"] not in gpu], [e for e in done if e["pid"] in gpu]
+
+
+def device_idle(host: list[dict], device: list[dict]) -> dict:
+    """How busy the GPU was between the first and the last step launch: the union of its activity's intervals, and the
+    gaps in it (idle stretches over 5 us) per launch."""
+    launches = sorted(e["ts"] for e in host if e["name"] == "launch")
+    if len(launches) < 2 or not device:
+        return {}
+    lo, hi = launches[0], launches[-1]
+    spans = sorted((max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in device if e["ts"] + e["dur"] > lo
+                   and e["ts"] < hi)
+    busy, gaps, end = 0.0, [], lo
+    for a, b in spans:
+        if a > end:
+            if a - end > 5:
+                gaps.append(a - end)
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    n = len(launches) - 1
+    return {"window_ms": (hi - lo) / 1e3, "busy_fraction": busy / (hi - lo), "ms_per_launch": (hi - lo) / 1e3 / n,
+            "idle_ms_per_launch": sum(gaps) / 1e3 / n, "gaps_over_5us_per_launch": len(gaps) / n,
+            "gap_us_p50": statistics.median(gaps) if gaps else 0.0, "gap_us_p90": sorted(gaps)[int(0.9 * (len(gaps) - 1))]
+            if gaps else 0.0}
 
 
 def self_times(evs: list[dict]) -> list[tuple[dict, float]]:
@@ -154,9 +186,12 @@ def main() -> None:
                     timed_run(llm, prompts[:c], params)
                 else:
                     engine_staggered(llm, prompts, args.new_tokens, c, args.requests_per_client, duration)
-            result["scenarios"][scenario] = summarise(events(d), args.inside, args.top)
+            host, device = events(d)
+            result["scenarios"][scenario] = summarise(host, args.inside, args.top)
+            result["scenarios"][scenario]["device"] = device_idle(host, device)
     for scenario, s in result["scenarios"].items():
         print(f"== {scenario}")
+        print(f"  device: {json.dumps({k: round(v, 4) for k, v in s.pop('device').items()})}")
         for name, v in s.items():
             print(f"  {name:13s} {v['calls']:5d} calls  median {v['ms_median']:.3f} ms  mean {v['ms_mean']:.3f} ms")
             for k, ms in v.get("self_ms_per_call", {}).items():
