@@ -72,3 +72,38 @@ def device_us_per_call(fn, logits: jax.Array, iters: int = 50) -> float:
         loop(logits).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return best / iters * 1e6
+
+
+def add_staggered_args(ap, concurrency: int = 64) -> None:
+    """The load options of the staggered-arrival probes (tick_trace.py, replay_ticks.py)."""
+    ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--concurrency", type=int, default=concurrency)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--default-engine", action="store_true", help="the default engine (all buckets) as serving.py")
+    ap.add_argument("--out", default=None)
+
+
+def staggered_setup(args):
+    """(llm, prompts, params, duration): the default engine (or buckets narrowed to the run), C x R random prompts, the
+    greedy params, and one request's duration from a static run of C (which also runs every path once), for
+    benchmarks/serving.py engine_staggered's starts."""
+    import random
+
+    from benchmarks.common import default_llm, timed_run
+    from jphoton import LLM, SamplingParams
+
+    c = args.concurrency
+    if args.default_engine:
+        llm = default_llm(args.model, progress=False)
+    else:
+        llm = LLM(args.model, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
+                  prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
+                  max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
+    rng = random.Random(1)
+    vocab = llm.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    r = timed_run(llm, prompts[:c], params)
+    return llm, prompts, params, r.decode_ms_median / 1e3 * args.new_tokens

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 3)[0])
+
+from lab.common import add_staggered_args, staggered_setup  # noqa: E402
 
 
 def record(llm) -> list:
@@ -65,31 +66,13 @@ def loop_period(steps: list, kind: str | None = None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="random:llama3.2-1b")
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--requests-per-client", type=int, default=4)
-    ap.add_argument("--default-engine", action="store_true", help="the default engine (all buckets) as serving.py")
-    ap.add_argument("--out", default=None)
+    add_staggered_args(ap)
     args = ap.parse_args()
-    from benchmarks.common import default_llm, device_info, timed_run
+    from benchmarks.common import device_info, timed_run
     from benchmarks.serving import engine_staggered
-    from jphoton import LLM, SamplingParams
 
     c = args.concurrency
-    if args.default_engine:
-        llm = default_llm(args.model, progress=False)
-    else:
-        llm = LLM(args.model, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
-                  prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
-                  max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
-    rng = random.Random(1)
-    vocab = llm.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    r = timed_run(llm, prompts[:c], params)  # every path once, and the request duration for the staggered starts
-    duration = r.decode_ms_median / 1e3 * args.new_tokens
+    llm, prompts, params, duration = staggered_setup(args)  # (every path run once)
     out = {"device": device_info(), "args": vars(args), "scenarios": {}}
     for scenario in ("static", "staggered"):
         steps = record(llm)
