@@ -4,7 +4,8 @@
 One engine (buckets narrowed to the run, as mixed_step_cost.py), C static rows, then C closed-loop clients with
 staggered starts (benchmarks/serving.py engine_staggered). For each step in the measured window, from the engine's
 telemetry: host phases (plan, launch, commit work after the tokens landed), the commit's wait for the device, and the
-launch-to-launch period; summarised by step kind and by whether a request finished or arrived around it. A tick whose
+launch-to-launch period; summarised by step kind and, under staggered arrivals, by whether a request arrived or
+finished in the period (`EventClock`; with the period's time outside `Engine.step`). A tick whose
 commit did not wait (wait < 20 us) found the device already done: the device idled for part of that tick.
 
     python3 lab/probes/staggered_ticks.py --model random:llama3.2-1b --concurrency 32 --out $OUT/ticks.json
@@ -15,6 +16,7 @@ commit did not wait (wait < 20 us) found the device already done: the device idl
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 import statistics
@@ -47,7 +49,45 @@ class GcClock:
         return out
 
 
-def summarise(records, lo: float, hi: float) -> dict:
+class EventClock:
+    """When requests arrive (`Engine.add`) and finish (outputs of `Engine._commit`), and when `Engine.step` runs: each
+    launch-to-launch period is then tagged quiet / arrival / finish / both, and split into time inside and outside
+    `step` (outside: the driver's own work, e.g. admitting the next request)."""
+
+    def __init__(self, engine):
+        self.arrivals: list[float] = []
+        self.finishes: list[float] = []
+        self.steps: list[tuple[float, float]] = []
+        add, commit, step = engine.add, engine._commit, engine.step
+
+        def on_add(seq):
+            self.arrivals.append(time.perf_counter())
+            return add(seq)
+
+        def on_commit(slot):
+            outs = commit(slot)
+            if any(o.finished for o in outs):
+                self.finishes.append(time.perf_counter())
+            return outs
+
+        def on_step():
+            t = time.perf_counter()
+            outs = step()
+            self.steps.append((t, time.perf_counter()))
+            return outs
+
+        engine.add, engine._commit, engine.step = on_add, on_commit, on_step
+
+    def tag(self, a: float, b: float) -> tuple[str, float]:
+        """(tag, seconds outside `step`) of the period (a, b]."""
+        arr = bisect.bisect_right(self.arrivals, b) > bisect.bisect_right(self.arrivals, a)
+        fin = bisect.bisect_right(self.finishes, b) > bisect.bisect_right(self.finishes, a)
+        inside = sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.steps[bisect.bisect_left(self.steps, (a - 1,)):]
+                     if s < b)
+        return ("both" if arr and fin else "arrival" if arr else "finish" if fin else "quiet"), (b - a) - inside
+
+
+def summarise(records, lo: float, hi: float, events: EventClock | None = None) -> dict:
     recs = sorted((r for r in records if lo <= r.t_launch <= hi), key=lambda r: r.t_launch)
     out: dict = {}
     for prev, r in zip(recs, recs[1:], strict=False):
@@ -55,6 +95,9 @@ def summarise(records, lo: float, hi: float) -> dict:
                   "launch": r.t_launched - r.t_launch, "wait": r.t_ready - r.t_commit,
                   "commit_work": r.t_committed - r.t_ready}
         groups = [r.kind, "all"]
+        if events is not None:  # (the events of the period that ends at this step's launch)
+            tag, phases["outside_step"] = events.tag(prev.t_launched, r.t_launched)
+            groups.append(f"{r.kind}.{tag}")
         for g in groups:
             d = out.setdefault(g, {k: [] for k in phases} | {"no_wait": 0, "n": 0, "rows": {}})
             d["rows"][r.rows] = d["rows"].get(r.rows, 0) + 1
@@ -114,12 +157,13 @@ def main() -> None:
         static = summarise(llm.telemetry.records, t0, time.perf_counter())
         gc_static = clock.take()
         duration = r.decode_ms_median / 1e3 * args.new_tokens
+        events = EventClock(llm.engine)
         st = engine_staggered(llm, prompts, args.new_tokens, c, args.requests_per_client, duration)
         gc_staggered = clock.take()
         recs = list(llm.telemetry.records)
         # engine_staggered's window: from the last start to the first client running out (its own numbers)
         lo = recs[0].t_launch + duration * (c - 1) / c
-        staggered = summarise(recs, lo, lo + st["window_s"])
+        staggered = summarise(recs, lo, lo + st["window_s"], events)
         res = {"static_tok_s": c / (r.decode_ms_median / 1e3), "staggered_tok_s": st["decode_tok_s"],
                "ratio": st["decode_tok_s"] / (c / (r.decode_ms_median / 1e3)), "static": static,
                "staggered": staggered, "device_step_ms": llm.device_step_ms(c, context=args.prompt_len + 128),
@@ -130,7 +174,8 @@ def main() -> None:
                           "gc_staggered": gc_staggered, "device_step_ms": res["device_step_ms"],
                           **{f"{w}.{k}": {m: round(v[m], 3) for m in ("period_ms_mean", "plan_ms_mean",
                                                                       "launch_ms_mean", "wait_ms_mean",
-                                                                      "commit_work_ms_mean")} | {"n": v["n"],
+                                                                      "commit_work_ms_mean", "outside_step_ms_mean")
+                                          if m in v} | {"n": v["n"],
                                                                                                   "no_wait": v["no_wait"],
                                                                                                   "rows": v["rows"]}
                              for w, s in (("static", static), ("staggered", staggered)) for k, v in s.items()}}),
