@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--default-engine", action="store_true",
                     help="the default engine (all buckets, as benchmarks/serving.py builds it) instead of narrowed ones")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pin", type=int, default=None, help="pin the engine thread to this CPU once the LLM is built")
     ap.add_argument("--gc-threshold", type=int, nargs=3, default=None, help="gc.set_threshold for the timed runs")
     from benchmarks.llm_args import add_llm_args, parse_llm_args
     add_llm_args(ap)
@@ -142,6 +143,10 @@ def main() -> None:
             llm = LLM(args.model, pipeline_depth=depth, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
                       prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
                       max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False, **extra)
+        if args.pin is not None:  # (threads jax started already keep every CPU)
+            import os
+
+            os.sched_setaffinity(0, {args.pin})
         vocab = llm.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c * args.requests_per_client)]
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
