@@ -10,6 +10,8 @@ jitted decode step (runner._step, C rows) in groups of 3 calls then a wait, timi
   device_input  slots alternate, the same packed device array every call
   one_slot      outputs always slot 0, carried tokens always slot 1's (never written), packed from the host
   stable        one_slot with the same packed device array: no argument moves
+  dispatch      the runner's own dispatch (`Runner._dispatch_into`) of a fresh host copy each call: for A/B of
+                trees (PYTHONPATH=<tree>, `--variants dispatch --pin`)
 
 Printed: median host ms of the 2nd/3rd calls of each group (the device busy with the 1st), and of the 1st.
 
@@ -34,7 +36,7 @@ from jphoton import LLM  # noqa: E402
 from jphoton.engine.step import StepShape  # noqa: E402
 from lab.common import decode_step_input  # noqa: E402
 
-VARIANTS = ("engine", "device_input", "one_slot", "stable")
+VARIANTS = ("engine", "device_input", "one_slot", "stable", "dispatch")
 
 
 def run(runner, shape, variant: str, dev_packed, host_packed, groups: int) -> dict:
@@ -47,6 +49,13 @@ def run(runner, shape, variant: str, dev_packed, host_packed, groups: int) -> di
             else:
                 slot, prev = runner.slots[runner._next_slot], runner._prev_tokens
             packed = dev_packed if variant in ("device_input", "stable") else host_packed
+            if variant == "dispatch":
+                packed = host_packed.copy()
+                t0 = time.perf_counter()
+                runner._dispatch_into(runner._take_slot(), shape, packed)
+                if g >= 2:
+                    (idle if i == 0 else busy).append(time.perf_counter() - t0)
+                continue
             t0 = time.perf_counter()
             slot.tokens, slot.logits, runner.kv = runner._step(shape, runner.params, runner.kv, prev, slot.tokens,
                                                                slot.logits, packed, None, None, None)
@@ -67,6 +76,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--groups", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--pin", action="store_true", help="pin this thread to the last CPU (runs differ by their core)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -79,10 +90,14 @@ def main() -> None:
     shape = StepShape(args.rows, 0, 0, 0)
     dev_packed = decode_step_input(runner, shape, args.ctx)
     host_packed = np.asarray(jax.device_get(dev_packed))
+    if args.pin:
+        import os
+
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows, "ctx": args.ctx,
            "rounds": []}
     for r in range(args.rounds):
-        res = {v: run(runner, shape, v, dev_packed, host_packed, args.groups) for v in VARIANTS}
+        res = {v: run(runner, shape, v, dev_packed, host_packed, args.groups) for v in args.variants}
         print(r, json.dumps(res), flush=True)
         out["rounds"].append(res)
     if args.out:
