@@ -8,7 +8,7 @@ from jphoton.params import Completion, SamplingParams
 from jphoton.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Delta:
     """What one commit adds to a request's output (what a stream yields)."""
 

@@ -271,7 +271,7 @@ class Engine:
                 seq.pending_samples -= 1
             if row.samples and seq.finish_reason is None:
                 token = tokens[row.out_row]
-                verdict = verdicts.get(id(row), ACCEPTED)
+                verdict = verdicts.get(id(row), ACCEPTED) if verdicts else ACCEPTED
                 if not verdict.accepted:  # cannot happen with a correct mask; end this request only
                     log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
                     delta = seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")
