@@ -27,6 +27,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import queue
 import sys
 import threading
 import time
@@ -278,7 +279,7 @@ class Warmup:
         engine often) while a compile thread compiles the previous one (XLA, releases it); one XLA compile at a time
         (module docstring)."""
         pending = None  # (the compile in progress, its task)
-        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jphoton-compile")
+        compiler = _CompileThread()
         profiler = sys.getprofile()  # (a profiler's hook, if one was installed for new threads: restored at the end)
         sys.setprofile(polite_profile())  # this thread only
         try:
@@ -291,7 +292,7 @@ class Warmup:
                 pending = None if lowered is None else (compiler.submit(_compile_all, lowered), task)
         finally:
             sys.setprofile(profiler)
-            compiler.shutdown(wait=True)  # never leave a compile running (process exit)
+            compiler.shutdown()  # never leave a compile running (process exit)
 
     def _lowered(self, tasks: list[tuple]):
         """Yields (lowered programs, task) in order, a wanted shape first, taking each task out of `tasks` (the caller
@@ -350,6 +351,36 @@ def polite_profile(every_s: float = YIELD_EVERY_S):
 def _compile_all(lowered: list) -> None:
     for program in lowered:
         program.compile()
+
+
+class _CompileThread:
+    """`_run_here`'s compiles, one at a time, on a daemon thread of its own. Not a ThreadPoolExecutor: at interpreter
+    exit concurrent.futures refuses new work before the atexit hook that stops the warm-up has run, and a script that
+    ended while shapes were compiling logged "background compile failed" with a traceback."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="jphoton-compile", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Finish the submitted compiles, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 -- raised by the waiter's result()
+                    future.set_exception(e)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
