@@ -413,3 +413,16 @@ def test_a_script_that_ends_while_shapes_compile_exits_cleanly():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "compiling at exit: True" in out.stdout  # (else the test proves nothing)
     assert "background compile failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_compile_worker_imports_this_jphoton_whatever_the_working_directory(cpu_compile_worker, monkeypatch,
+                                                                                tmp_path):
+    """A `jphoton` package in the working directory (another source tree) must not shadow the one this process runs:
+    the worker would compile that tree's programs (or fail to start, here) and this one would fall back to compiling
+    everything itself."""
+    (tmp_path / "jphoton").mkdir()
+    (tmp_path / "jphoton" / "__init__.py").write_text("raise ImportError('the shadowing tree')\n")
+    monkeypatch.chdir(tmp_path)
+    llm = make_llm(LLAMA, warmup="background", compile_worker=True)
+    assert llm.wait_until_ready(timeout=600)
+    assert llm.stats()["compile_path"] == "worker"

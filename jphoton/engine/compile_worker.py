@@ -126,8 +126,9 @@ class CompileWorker:
         # this jphoton first, wherever it was imported from (a notebook's sys.path, a source tree)
         root = os.path.dirname(os.path.dirname(os.path.abspath(jphoton.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        # (stderr is the serving process's: the worker's log lines and tracebacks show up there)
-        self.proc = subprocess.Popen([sys.executable, "-m", "jphoton.engine.compile_worker"], env=env,
+        # (stderr is the serving process's: the worker's log lines and tracebacks show up there). -P: no working
+        # directory at the front of sys.path, where a different jphoton source tree would shadow this one.
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "jphoton.engine.compile_worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()
         self._send(spec)
