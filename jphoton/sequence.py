@@ -41,6 +41,13 @@ class Sequence:
     from the stream until it can't be, so a stream never shows text that the final result then cuts.
     """
 
+    # (slots: the plan and the commit touch every running sequence each tick; `lab/probes/host_sim.py`)
+    __slots__ = ("request_id", "prompt_ids", "params", "seed", "output_ids", "logprobs", "finish_reason", "error",
+                 "_stop_ids", "stop_ids", "max_new_tokens", "_detok", "text", "_emitted", "_holdback", "status",
+                 "block_table", "page_keys", "pages_cached", "num_computed", "prefill_target", "inflight_refs",
+                 "pending_samples", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
+                 "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores")
+
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
                  eos_token_ids: tuple[int, ...], max_model_len: int, seed: int):
         self.request_id = request_id
