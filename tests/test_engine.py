@@ -352,14 +352,18 @@ def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
 
 def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
     """A decode step with the previous pack's rows starts from that buffer (StepPacker._pack_steady): byte-equal to packing
-    from scratch, through page boundaries, finishes and a new arrival, and the tokens still match the reference."""
-    runner = embedded_llm.engine.runner
+    from scratch, through page boundaries, finishes and a new arrival, and the tokens still match the reference. The
+    steady packs' buffers are reused in turn: never one that a step still in flight was given."""
+    engine = embedded_llm.engine
+    runner = engine.runner
     packer = runner.packer
     pack, full = packer.pack, packer._pack_full
     checked = []
 
     def both(plan, automata=False):  # (no constrained rows here: the automaton fields stay zero in both packs)
+        in_flight = [s.step.input.packed for s in engine.inflight if s.step is not None]
         inp = pack(plan, automata)
+        assert all(inp.packed is not b for b in in_flight if b is not None)
         np.testing.assert_array_equal(inp.packed, full(plan).packed)
         checked.append(plan.step_id)
         return inp

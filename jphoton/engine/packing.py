@@ -20,6 +20,7 @@ class StepPacker:
         self._layouts: dict[StepShape, StepLayout] = {}
         self._steady: _SteadyPack | None = None  # the last decode-only pack (`pack`)
         self._empties: dict[StepLayout, dict[str, np.ndarray]] = {}
+        self._rings: dict[StepLayout, list] = {}  # steady packs' buffers (views) by layout, reused in turn (`_next_buffer`)
         self.steady_packs = 0  # packs that started from the previous one (telemetry; tests check it)
 
     def layout(self, shape: StepShape) -> StepLayout:
@@ -54,7 +55,7 @@ class StepPacker:
                     return self._pack_steady(plan, prev, src)
             inp = self._pack_full(plan)
             self._steady = _SteadyPack(plan.shape, [r.seq for r in d], [r.seq.block_table for r in d],
-                                       [len(r.seq.block_table) for r in d], inp.packed)
+                                       [len(r.seq.block_table) for r in d], self.layout(plan.shape).views(inp.packed))
             return inp
         # A step with prefill rows is packed from scratch, but the last decode-only pack stays the next one's start:
         # under staggered arrivals every few steps carry a newcomer's prefill, and a full pack after each of them
@@ -96,12 +97,13 @@ class StepPacker:
         per-step columns and the pages added since are written."""
         self.steady_packs += 1
         layout = self.layout(plan.shape)
-        v = layout.views(prev.buffer.copy())  # (the previous buffer may still be in flight)
+        v = self._next_buffer(layout)
+        np.copyto(v["_buffer"], prev.views["_buffer"])
         d = plan.decode
         n = len(d)
         table = v["d_table"]
         if src is not None:
-            old = layout.views(prev.buffer)
+            old = prev.views
             for a, b, shift in _runs(src):  # moved rows, as slices (one finish moves every row after it up one)
                 for f in _ROW_FIELDS:
                     v[f][a:b] = old[f][a + shift:b + shift]
@@ -116,7 +118,7 @@ class StepPacker:
                     v["d_lora"][new] = [d[i].seq.lora_slot for i in new]
             tables = [prev.tables[j] if j >= 0 else None for j in src]
             lengths = [prev.lengths[j] if j >= 0 else 0 for j in src]
-            prev = _SteadyPack(plan.shape, [r.seq for r in d], tables, lengths, prev.buffer)
+            prev = _SteadyPack(plan.shape, [r.seq for r in d], tables, lengths, prev.views)
         v["d_tokens"][:n] = [row.tokens[0] if row.tokens else 0 for row in d]
         v["d_carry"][:n] = [row.carry_from for row in d]
         v["d_pos"][:n] = [row.start for row in d]
@@ -130,9 +132,20 @@ class StepPacker:
             elif len(t) != prev.lengths[i]:
                 table[i, prev.lengths[i]:len(t)] = t[prev.lengths[i]:]
             prev.lengths[i] = len(t)
-        prev.buffer = v["_buffer"]
+        prev.views = v
         self._steady = prev
-        return StepInput(plan.shape, prev.buffer)
+        return StepInput(plan.shape, v["_buffer"])
+
+    def _next_buffer(self, layout: StepLayout) -> dict[str, np.ndarray]:
+        """The views of the layout's next steady-pack buffer. RING buffers are reused in turn: when one comes round
+        again, the step that read it is committed (at most two steps are in flight when a step is planned), so its
+        input has reached the device long before. Fixed buffers and their views, not a new copy each step: the
+        views alone cost ~8 us to build (CPU box)."""
+        ring = self._rings.get(layout)
+        if ring is None:
+            ring = self._rings[layout] = [layout.views(np.empty(layout.buffer_size, np.int32)) for _ in range(RING)]
+        ring.append(ring.pop(0))
+        return ring[-1]
 
     def _empty(self, layout: StepLayout) -> dict[str, np.ndarray]:
         """The layout's padding values (cached; read only)."""
@@ -174,6 +187,8 @@ class StepPacker:
         return StepInput(shape, v["_buffer"])
 
 
+RING = 4  # steady-pack buffers per layout (`StepPacker._next_buffer`): one is rewritten 4 steady packs after its step
+
 # a decode-only step's per-sequence fields by row (copied when a row moves), and every field of a decode row
 _ROW_FIELDS = ("d_table", "d_lora", "temperature", "key", "top_k", "top_p")
 _DECODE_FIELDS = _ROW_FIELDS + ("d_tokens", "d_carry", "d_pos", "sample_index", "g_state", "g_mode")
@@ -195,13 +210,13 @@ def _runs(src: list[int]) -> list[tuple[int, int, int]]:
 @dataclasses.dataclass
 class _SteadyPack:
     """The last decode-only pack, for the next one to start from: its sequences (rows in order), each one's block table
-    object and how many of its pages were packed, and the buffer."""
+    object and how many of its pages were packed, and the views of its buffer."""
 
     shape: StepShape
     seqs: list
     tables: list[list[int]]
     lengths: list[int]
-    buffer: np.ndarray
+    views: dict[str, np.ndarray]
 
 
 def _fill_ragged(out: np.ndarray, rows: list[list[int]]) -> None:
