@@ -102,13 +102,15 @@ class Sequence:
         """Result emitted; the sequence may still ride in an in-flight step (a zombie) until inflight_refs is 0."""
         return self.finish_reason is not None
 
-    def token_at(self, index: int) -> int | None:
-        """The token at `index` if the host knows it (it may still be on the device, pending)."""
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, every one known on the host (a prefill chunk's)."""
         n = len(self.prompt_ids)
-        if index < n:
-            return self.prompt_ids[index]
-        index -= n
-        return self.output_ids[index] if index < len(self.output_ids) else None
+        assert end <= n + len(self.output_ids), "tokens still on the device"
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     def append(self, token: int, grammar_done: bool = False) -> Delta:
         """Commit one sampled token; returns the delta to stream (possibly empty text). grammar_done: the request's

@@ -1,5 +1,6 @@
 """StepPacker (engine/packing.py) without an engine: a decode-only pack that starts from the previous one (same rows,
-or rows that finished, arrived or moved up) is byte-equal to packing from scratch, under random churn."""
+or rows that finished, arrived or moved up), and a mixed step's pack built on it, are byte-equal to packing from
+scratch, under random churn."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_decode_packs_under_churn_equal_full_packs(lora):
     packer, fresh = StepPacker(STATIC, 0, lora), StepPacker(STATIC, 0, lora)
     running = [_seq(rng, i) for i in range(5)]
     made, incremental = 5, 0
-    after_mixed, after_mixed_steady = False, 0
+    after_mixed, after_mixed_steady, mixed_from_decode = False, 0, 0
     for step in range(300):
         event = rng.random()
         if event < 0.2 and len(running) > 1:  # a request finishes (any row)
@@ -51,7 +52,9 @@ def test_decode_packs_under_churn_equal_full_packs(lora):
             newcomer = _seq(rng, -1)
             prefill = [Row(newcomer, 0, 8, list(range(8)), -1, True, 0, bucket)]
             plan = StepPlan(step, rows, prefill, StepShape(bucket, 1, 8, 4))
+            before = packer.steady_packs
             np.testing.assert_array_equal(packer.pack(plan).packed, fresh._pack_full(plan).packed)
+            mixed_from_decode += packer.steady_packs > before  # its decode rows packed as a decode step's
             after_mixed = True
             continue
         plan = StepPlan(step, rows, [], StepShape(bucket, 0, 0, 0))
@@ -63,3 +66,4 @@ def test_decode_packs_under_churn_equal_full_packs(lora):
         np.testing.assert_array_equal(got, fresh._pack_full(plan).packed, err_msg=f"step {step}")
     assert incremental > 120  # most packs started from the previous one
     assert after_mixed_steady > 20  # ... also the decode step after a mixed one (its start: the last decode pack)
+    assert mixed_from_decode > 20  # ... and a mixed step's decode rows (`StepPacker._pack_mixed`)

@@ -75,3 +75,17 @@ def test_abort_flushes_held_back_text(tok):
     assert streamed != seq.text  # the tail is held back while it could start a stop string
     streamed += seq.finish("abort").text
     assert streamed == seq.text and seq.finish_reason == "abort"
+
+
+def test_tokens_between_spans_prompt_and_output():
+    """A prefill chunk's tokens (a preempted sequence is prefilled again over its prompt and its output)."""
+    seq = Sequence(0, [10, 11, 12], SamplingParams(max_tokens=8, ignore_eos=True), tokenizer=None, eos_token_ids=(),
+                   max_model_len=64, seed=0)
+    for t in (20, 21):
+        seq.append(t)
+    everything = [10, 11, 12, 20, 21]
+    for a in range(6):
+        for b in range(a, 6):
+            assert seq.tokens_between(a, b) == everything[a:b]
+    with pytest.raises(AssertionError):
+        seq.tokens_between(4, 6)  # the sixth is not sampled yet

@@ -302,7 +302,7 @@ class Scheduler:
                 s.status, s.prefill_target = "running", target
                 s.admitted_at, self._admissions = self._admissions, self._admissions + 1
                 num_running += 1
-            row.tokens = [s.token_at(i) for i in range(s.num_computed, s.num_computed + chunk)]
+            row.tokens = s.tokens_between(s.num_computed, s.num_computed + chunk)
             rows.append(row)
             if self.pages.prefix_caching:  # pages this chunk fills are cached (later steps read what it writes)
                 self._cache_written_pages(s, s.num_computed + chunk)
