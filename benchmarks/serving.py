@@ -470,7 +470,7 @@ def main(argv=None):
     ap.add_argument("--arrival", choices=("staggered", "poisson"), default="staggered")
     ap.add_argument("--client-procs", type=int, default=8,
                     help="load-generator processes (at most one per concurrent stream), each with its own channel")
-    ap.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2, 3))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-message-rate", type=float, default=None,
                     help="the server's tokens a second per frontend before streams' tokens are paced (0: never; "

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     constraint.add_argument("--choice", action="append", metavar="TEXT",
                             help="the output is one of these strings (repeat the flag for each)")
     constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar file")
-    g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
+    g.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2, 3),
+                   help="1 = blocking loop, 2 = pipelined, 3 = two steps ahead")
     g.add_argument("--moe-backend", default="auto", choices=("auto", "warp_decode", "expert_centric"),
                    help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")
     _add_lora_args(g, serve=False)
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only unless changed)")
     s.add_argument("--port", type=_int_in(0, 65535), default=50051, help="0 picks a free port")
-    s.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2), help="1 = blocking loop, 2 = pipelined")
+    s.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2, 3),
+                   help="1 = blocking loop, 2 = pipelined, 3 = two steps ahead")
     s.add_argument("--max-queue", type=_int_in(1), default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
     s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")

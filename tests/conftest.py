@@ -103,6 +103,17 @@ def embedded_d1():
         yield llm
 
 
+@pytest.fixture(scope="module")
+def embedded_d3():
+    with shared_llm(pipeline_depth=3) as llm:  # three steps in flight (module scope: each shared engine is warmed
+        yield llm                              # again after every module)
+
+
+def llm_at_depth(request, depth: int):
+    """The shared embedded engine of a pipeline depth, for tests parametrized over depths."""
+    return request.getfixturevalue({1: "embedded_d1", 2: "embedded_llm", 3: "embedded_d3"}[depth])
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     """family -> LoadedModel (float32), loaded lazily and kept for the session."""

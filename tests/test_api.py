@@ -98,7 +98,7 @@ def test_engine_config_maps_llm_keywords_onto_groups():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"pipeline_depth": 3}, "pipeline_depth"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"pipeline_depth": 4}, "pipeline_depth"), ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"page_size": 1.5}, "page_size"), ({"attention": "flash"}, "attention"),
     ({"kv_memory_fraction": 0}, "kv_memory_fraction"), ({"max_logprobs": -1}, "max_logprobs"),
 ])

@@ -14,6 +14,8 @@ from schemas import COLOURS, PERSON, WEATHER
 
 from jphoton import SamplingParams
 
+from conftest import llm_at_depth
+
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 SENTIMENT = ["positive", "negative", "neutral"]
@@ -63,11 +65,11 @@ def run_batch(llm, temperature: float):
 
 
 @pytest.fixture(scope="module")
-def runs(embedded_d1, embedded_llm):
+def runs(embedded_d1, embedded_llm, embedded_d3):
     """{(depth, temperature): (constrained completions, free completions, step records, host->device input copies)}:
     one engine per depth, every grammar row on host masks."""
     results = {}
-    for depth, llm in ((1, embedded_d1), (2, embedded_llm)):
+    for depth, llm in ((1, embedded_d1), (2, embedded_llm), (3, embedded_d3)):
         for temperature in (0.0, 0.8):
             with host_masks(llm):
                 constrained, free, transfers = run_batch(llm, temperature)
@@ -75,12 +77,12 @@ def runs(embedded_d1, embedded_llm):
     return results
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_device_automata_give_the_host_masks_tokens(runs, embedded_d1, embedded_llm, depth, temperature):
+def test_device_automata_give_the_host_masks_tokens(runs, request, depth, temperature):
     """The same batch on engines' device automata, every regular constraint's automaton built beforehand:
     those rows sample under their device automaton (jphoton/automaton.py) and draw exactly the host path's tokens."""
-    llm = {1: embedded_d1, 2: embedded_llm}[depth]
+    llm = llm_at_depth(request, depth)
     for _, kw, _ in CASES:
         llm.grammar.compile(SamplingParams(**kw), wait_automaton=True)
     constrained, free, _ = run_batch(llm, temperature)
@@ -90,7 +92,7 @@ def test_device_automata_give_the_host_masks_tokens(runs, embedded_d1, embedded_
         assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_every_constrained_output_is_valid(runs, depth, temperature):
     constrained, free, _, _ = runs[depth, temperature]
@@ -102,8 +104,9 @@ def test_every_constrained_output_is_valid(runs, depth, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_tokens_identical_between_depths(runs, temperature):
-    for a, b in zip(sum(runs[1, temperature][:2], []), sum(runs[2, temperature][:2], []), strict=True):
-        assert a.token_ids == b.token_ids
+    for depth in (2, 3):
+        for a, b in zip(sum(runs[1, temperature][:2], []), sum(runs[depth, temperature][:2], []), strict=True):
+            assert a.token_ids == b.token_ids
 
 
 def test_constrained_and_free_rows_share_steps(runs):
@@ -122,7 +125,7 @@ def test_constrained_and_free_rows_share_steps(runs):
 def test_a_pipelined_grammar_step_costs_one_input_transfer(runs):
     """The masked sampler's transfer also carries the next step's input (planned while the step ran, at depth 2 and
     at depth 1 alike), so a step costs one host->device copy with or without grammar rows."""
-    for depth in (2, 1):
+    for depth in (3, 2, 1):
         _, _, records, transfers = runs[depth, 0.0]
         assert sum(r.constrained_rows > 0 for r in records) > len(records) // 2
         assert transfers <= len(records) + 2
@@ -152,12 +155,11 @@ def test_bad_constraints_are_refused_at_submission(embedded_llm, kwargs, message
     assert ok.text in ("yes", "no") and ok.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_a_grammar_failure_mid_flight_ends_only_that_request(embedded_llm, monkeypatch, depth):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_grammar_failure_mid_flight_ends_only_that_request(request, monkeypatch, depth):
     """Feed one matcher a token its grammar forbids (as a broken sampler would): that request ends with "error" and
     a message, its pages come back, its neighbours finish normally."""
-    llm = embedded_llm
-    monkeypatch.setattr(llm.engine, "depth", depth)
+    llm = llm_at_depth(request, depth)
     monkeypatch.setattr(llm.grammar, "_automata_states", 0)  # the matchers' path (device automata: test_automaton.py)
     letter = llm.tokenizer.encode("x")[0]
     real_advance = llm.grammar.advance

@@ -13,7 +13,7 @@ from jphoton.engine.step import StepShape
 from jphoton.models.llama import reference_logits
 from jphoton.reference import ReferenceDecoder
 
-from conftest import FIXTURES, make_llm
+from conftest import FIXTURES, llm_at_depth, make_llm
 
 MAX_TOKENS = (32, 10, 32, 5, 32, 20)
 
@@ -28,9 +28,9 @@ def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_mixed_batch_matches_hf_reference_and_alone(embedded_d1, embedded_llm, hf, depth):
-    llm = embedded_d1 if depth == 1 else embedded_llm
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_mixed_batch_matches_hf_reference_and_alone(request, hf, depth):
+    llm = llm_at_depth(request, depth)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
     for out, (_, ref), n in zip(outs, hf, MAX_TOKENS, strict=True):
         assert out.token_ids == ref[:n]
@@ -44,7 +44,7 @@ def test_mixed_batch_matches_hf_reference_and_alone(embedded_d1, embedded_llm, h
         assert llm.generate({"prompt_token_ids": hf[i][0]}, _greedy(MAX_TOKENS[i]))[0].token_ids == outs[i].token_ids
 
 
-def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, embedded_llm, hf):
+def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, embedded_llm, embedded_d3, hf):
     """Arrivals keyed to the step index (deterministic); EOS finishes and one abort; tokens must not depend on depth."""
     def run(llm):
         rng = np.random.default_rng(7)
@@ -69,19 +69,20 @@ def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, emb
         return [(s.output_ids, s.finish_reason) for s in seqs]
 
     a, b = run(embedded_d1), run(embedded_llm)
-    assert a == b
+    assert a == b == run(embedded_d3)
     assert {"length", "abort"} <= {r for _, r in a}
     # While shapes still compile, a prefill that no ready shape mixes with decode rows runs alone, and those rows sit
     # out that step: then step t+2, planned before t's commit, cannot carry their token from t (it waits a step).
-    sched = embedded_llm.engine.scheduler
-    ready = sched.ready
-    sched.ready = frozenset(x for x in sched.config.all_shapes() if not (x.decode_rows and x.prefill_rows))
-    try:
-        steps = embedded_llm.engine.num_steps
-        assert run(embedded_llm) == a
-        assert embedded_llm.engine.num_steps - steps > 12
-    finally:
-        sched.ready = ready
+    for llm in (embedded_llm, embedded_d3):
+        sched = llm.engine.scheduler
+        ready = sched.ready
+        sched.ready = frozenset(x for x in sched.config.all_shapes() if not (x.decode_rows and x.prefill_rows))
+        try:
+            steps = llm.engine.num_steps
+            assert run(llm) == a
+            assert llm.engine.num_steps - steps > 12
+        finally:
+            sched.ready = ready
 
 
 def test_preemption_with_a_tiny_pool_matches_an_unpreempted_run():
@@ -89,7 +90,7 @@ def test_preemption_with_a_tiny_pool_matches_an_unpreempted_run():
     prompts = [{"prompt_token_ids": list(range(3 + i, 23 + i))} for i in range(5)]
     params = _greedy(40)
     big = make_llm(model, warmup=False).generate(prompts, params)
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         small = make_llm(model, warmup=False, num_kv_pages=8, page_size=8, pipeline_depth=depth)
         outs = small.generate(prompts, params)
         assert small.stats()["preemptions"] > 0
@@ -119,9 +120,9 @@ def test_no_compile_after_warmup_under_any_request_mix(embedded_llm, hf):
     assert llm.stats()["num_compiles"] > before
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_steady_state_loop_makes_no_implicit_host_to_device_transfer(embedded_d1, embedded_llm, hf, depth):
-    llm = embedded_d1 if depth == 1 else embedded_llm
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_steady_state_loop_makes_no_implicit_host_to_device_transfer(request, hf, depth):
+    llm = llm_at_depth(request, depth)
     with jax.transfer_guard_host_to_device("disallow"):
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf[:3]], _greedy(6))
     assert [o.token_ids for o in outs] == [ref[:6] for _, ref in hf[:3]]
@@ -306,10 +307,10 @@ def test_a_researchers_own_model_plugs_in(hf):
     assert [o.token_ids for o in outs] == [t.tolist() for _, t, _ in ref]
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_chunked_prefill_of_a_long_prompt_matches_the_reference(embedded_d1, embedded_llm, hf, depth):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_chunked_prefill_of_a_long_prompt_matches_the_reference(request, hf, depth):
     """A 150-token prompt is prefilled in 64-token chunks that attend to the pages of the chunks before them."""
-    llm = embedded_d1 if depth == 1 else embedded_llm
+    llm = llm_at_depth(request, depth)
     long_prompt = (hf[0][0] + hf[1][0] + hf[2][0] + hf[0][0] + hf[4][0])[:150]
     prompts = [long_prompt, hf[3][0]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
@@ -350,10 +351,12 @@ def test_block_tables_pack_like_a_row_by_row_copy(num_rows):
     np.testing.assert_array_equal(got, want)
 
 
-def test_steady_decode_packs_equal_full_packs(embedded_llm, hf, monkeypatch):
+@pytest.mark.parametrize("depth", [2, 3])
+def test_steady_decode_packs_equal_full_packs(request, hf, monkeypatch, depth):
     """A decode step with the previous pack's rows starts from that buffer (StepPacker._pack_steady): byte-equal to packing
     from scratch, through page boundaries, finishes and a new arrival, and the tokens still match the reference. The
     steady packs' buffers are reused in turn: never one that a step still in flight was given."""
+    embedded_llm = llm_at_depth(request, depth)
     engine = embedded_llm.engine
     runner = engine.runner
     packer = runner.packer

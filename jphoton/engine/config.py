@@ -85,7 +85,7 @@ class EngineConfig:
     automaton_states: int = 1024
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
-    pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 1: blocking loop
+    pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 3: t+2 too; 1: blocking loop
     seed: int = 0  # seeds of requests that give none
     # "background": the first request's shapes before LLM() returns, the rest on a background thread (served as they
     # become ready); "full": every shape before LLM() returns; "off": on first use (engine/warmup.py). True = "full".
@@ -124,8 +124,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
-        if self.pipeline_depth not in (1, 2):
-            raise ValueError(f"pipeline_depth must be 1 (blocking) or 2 (pipelined), got {self.pipeline_depth!r}")
+        if self.pipeline_depth not in (1, 2, 3):
+            raise ValueError(f"pipeline_depth must be 1 (blocking), 2 or 3 (pipelined), got {self.pipeline_depth!r}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if self.warmup is True or self.warmup is False:

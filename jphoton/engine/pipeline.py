@@ -8,10 +8,13 @@ One tick at pipeline depth 2 (the default), step t already on the device:
 - Launch: the scheduler planned t+1 in the tick before, from what the host knew before t-1 was committed (so only the
   commit and the launch lie between two steps); a decode row whose input token is still on the device names the row of
   the previous step's output that holds it (`carry_from`). The runner packs the step into one
-  host->device input and dispatches it into the free `DecodeSlot` (two slots, ping-pong; outputs donated).
+  host->device input and dispatches it into the free `DecodeSlot` (one per step in flight, in turn; outputs donated).
 - Commit: the host copy of t's tokens (started at t's launch) is read; tokens are appended, stops checked, outputs
   emitted. At depth 1 the step just launched is committed in the same tick (the blocking loop); t+1 is planned and
   packed while t runs (its launch still waits for t's commit), so only the launch and the commit are in series.
+- Depth 3 keeps two steps in flight after each launch (t+1 and t+2 are dispatched before t's tokens reach the host):
+  the device has a step queued while the host's tick runs long, at one more step of latency per token. A step with
+  grammar rows still waits for the commit before it (its masks need every earlier token).
 - Zombies: a sequence that finishes at t is already in t+1 (and in t+2, planned before t's commit). It is finalized
   at once (its result emitted); its pages go back only when `inflight_refs` (launched steps that reference it) is 0.
 - Forward now, sample later: a grammar row's mask for t+1 depends on the token committed at t, but its forward does
@@ -173,9 +176,10 @@ class Engine:
             # transfer); a row that finishes at t is then a zombie in t+2 as well (inflight_refs covers it).
             if self.depth == 1 or not self.inflight[-1].awaiting_mask:
                 self.ahead = self._plan()
-        # 2. commit t (depth 2 keeps the step just launched in flight; depth 1 and an idle tick commit everything)
+        # 2. commit t (depth 2 keeps the step just launched in flight, depth 3 the two last; depth 1 and an idle tick
+        # commit everything; a step waiting for grammar masks needs every token before it committed)
         outputs: list[RequestOutput] = []
-        keep = self.depth - 1 if step is not None else 0
+        keep = 0 if step is None else min(self.depth - 1, 1) if self.inflight[-1].awaiting_mask else self.depth - 1
         while len(self.inflight) > keep:
             slot = self.inflight.popleft()
             if slot.awaiting_mask:  # depth 1: sample right away (every earlier token is committed)

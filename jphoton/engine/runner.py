@@ -130,11 +130,11 @@ class Runner:
                                  self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32),
                                  self._zeros((max_rows,), jnp.int32) if self.automaton_states else None)
-                      for _ in range(2)]
+                      for _ in range(max(2, config.pipeline_depth))]  # one per step in flight
         self._next_slot = 0
         self.input_transfers = 0  # host->device copies of step and sampler inputs (telemetry; tests check the count)
-        self._prev_tokens = self.slots[1].tokens  # the last dispatched step's tokens: the next step's carry-over
-        self._prev_states = self.slots[1].states  # and its rows' automaton states (filtered steps write them)
+        self._prev_tokens = self.slots[-1].tokens  # the last dispatched step's tokens: the next step's carry-over
+        self._prev_states = self.slots[-1].states  # and its rows' automaton states (filtered steps write them)
         self.packer = StepPacker(self.static, self.packed_size, self.lora_enabled)
         # LoRA slot weights (models/lora.py), in the params' layer layout; None when LoRA is off.
         self.lora_weights = None
@@ -404,7 +404,7 @@ class Runner:
     # ---- device calls ----------------------------------------------------------------------------------------------
     def _take_slot(self) -> DecodeSlot:
         slot = self.slots[self._next_slot]
-        self._next_slot ^= 1
+        self._next_slot = (self._next_slot + 1) % len(self.slots)
         return slot
 
     @staticmethod
@@ -493,7 +493,7 @@ class Runner:
             self._dispatch_into(slot, shape, self.layout(shape).empty(self.static.trash_page)["_buffer"],
                                 filtered=filtered, lora=lora)
         else:  # on the slot of the last step, as in serving (the next step must not take the slot it carries from)
-            slot = self.slots[self._next_slot ^ 1]
+            slot = self.slots[self._next_slot - 1]
             self._resample_into(slot, key[1], self._sampler_input(key[1]).buffer)
         jax.block_until_ready((slot.tokens, self.kv))
         self.first_ran.add(key)

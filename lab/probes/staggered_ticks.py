@@ -124,6 +124,7 @@ def main() -> None:
                     help="the default engine (all buckets, as benchmarks/serving.py builds it) instead of narrowed ones")
     ap.add_argument("--out", default=None)
     ap.add_argument("--pin", type=int, default=None, help="pin the engine thread to this CPU once the LLM is built")
+    ap.add_argument("--mark", default=None, help="create this file when the timed runs start (lab/probes/thread_cpu.py)")
     ap.add_argument("--gc-threshold", type=int, nargs=3, default=None, help="gc.set_threshold for the timed runs")
     from benchmarks.llm_args import add_llm_args, parse_llm_args
     add_llm_args(ap)
@@ -152,6 +153,8 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         llm.telemetry.clear()
+        if args.mark:
+            open(args.mark, "w").close()
         if args.gc_threshold:
             import gc
 
