@@ -13,7 +13,7 @@ for c in ${CS:-64 32}; do
     | grep -o 'Error.*\|"depth": [0-9], "ratio[^{]*\|"staggered.decode": {[^}]*' | cut -c1-230
 done
 if [ -n "$SERVE" ]; then
-  for d in 3 2; do
+  for d in ${SERVE_DEPTHS:-3 2}; do
     echo "== served, depth $d"
     timeout ${SERVE_TIMEOUT:-280} python3 benchmarks/serving.py --model random:llama3.2-1b --concurrency ${SERVE_C:-32 64} \
       --prompt-len 128 --new-tokens 256 --requests-per-client 4 --servers process --frontends 1 --pipeline-depth $d \
