@@ -98,7 +98,7 @@ def mix(vocab: int = 256):
     return prompts, params
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("depth", [1, 2])
 def test_tokens_equal_with_the_cache_on_and_off_under_preemption_and_aborts(monkeypatch, depth):
     prompts, params = mix()
     llm_off = make_llm(TINY, prefix_caching=False, page_size=PS, pipeline_depth=depth, max_model_len=128)
