@@ -145,7 +145,7 @@ class StepPacker:
 
     def _next_buffer(self, layout: StepLayout) -> dict[str, np.ndarray]:
         """The views of the layout's next steady-pack buffer. RING buffers are reused in turn: when one comes round
-        again, the step that read it is committed (at most two steps are in flight when a step is planned), so its
+        again, the step that read it is committed (at most three steps are in flight when a step is planned), so its
         input has reached the device long before. Fixed buffers and their views, not a new copy each step: the
         views alone cost ~8 us to build (CPU box)."""
         ring = self._rings.get(layout)

@@ -2,8 +2,8 @@
 only: pack a planned step into its one input, dispatch it, sample, start the host copy, fetch; warm-up. The pipeline
 (engine/pipeline.py) decides when.
 
-Two `DecodeSlot`s alternate (ping-pong): each holds one step's output buffers, donated to the jitted step and handed
-back. A slot is reused only after the commit that read it.
+`DecodeSlot`s are used in turn, one per step in flight (two at pipeline depth 2): each holds one step's output
+buffers, donated to the jitted step and handed back. A slot is reused only after the commit that read it.
 """
 
 from __future__ import annotations
