@@ -45,7 +45,7 @@ class Sequence:
     __slots__ = ("request_id", "prompt_ids", "params", "seed", "output_ids", "logprobs", "finish_reason", "error",
                  "_stop_ids", "stop_ids", "max_new_tokens", "_detok", "text", "_emitted", "_holdback", "status",
                  "block_table", "page_keys", "pages_cached", "num_computed", "prefill_target", "inflight_refs",
-                 "pending_samples", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
+                 "pending_samples", "sample_flags", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
                  "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores")
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
@@ -75,6 +75,7 @@ class Sequence:
         self.prefill_target = 0  # tokens to prefill on (re)admission: every token known on the host then
         self.inflight_refs = 0  # launched, uncommitted steps that contain this sequence (0, 1 or 2)
         self.pending_samples = 0  # sampled tokens still on the device (launched, not yet committed)
+        self.sample_flags = 0  # what its rows ask of a step (engine/scheduler.py row_flags; set by Scheduler.add)
         self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
         self.lora_slot = -1  # the LoRA adapter's device slot (engine/loras.py), -1: the base model

@@ -13,7 +13,7 @@ if [ -n "$HOST_SIM" ]; then
     (cd $R && PYTHONPATH=$R:/tmp/site python3 lab/probes/host_sim.py --concurrency 64 --rounds 3 | sed "s/^/$t /")
   done
 fi
-for c in ${RUNS:-64 64 32 32}; do
+for c in ${RUNS-64 64 32 32}; do
   for t in head new; do
     if [ $t = head ]; then R=$PWD/.ab/head; else R=$PWD; fi
     echo "== $t C=$c"

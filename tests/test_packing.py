@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jphoton.engine.packing import StepPacker
-from jphoton.engine.scheduler import Row, StepPlan
+from jphoton.engine.scheduler import DecodeRows, Row, StepPlan
 from jphoton.engine.step import StepShape, StepStatic
 
 STATIC = StepStatic(pages_per_seq=16, page_size=4, pages_per_block=4, trash_page=999, max_rows=8, sliding_window=None,
@@ -45,8 +45,8 @@ def test_decode_packs_under_churn_equal_full_packs(lora):
         for s in running:  # pages fill up: tables grow in place
             if rng.random() < 0.2 and len(s.block_table) < STATIC.pages_per_seq:
                 s.block_table.append(rng.randrange(900))
-        rows = [Row(s, step + i, 1, [rng.randrange(100)] if rng.random() < 0.5 else [], rng.choice([-1, i]), True,
-                    step, i) for i, s in enumerate(running)]
+        rows = DecodeRows.of([Row(s, step + i, 1, [rng.randrange(100)] if rng.random() < 0.5 else [],
+                                  rng.choice([-1, i]), True, step, i) for i, s in enumerate(running)])
         bucket = 4 if len(rows) <= 4 else 8
         if rng.random() < 0.25:  # a newcomer's prefill rides beside the decode rows: a mixed step, packed whole
             newcomer = _seq(rng, -1)

@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 
-from jphoton.engine.scheduler import StepPlan, StepShape
+from jphoton.engine.scheduler import DecodeRows, StepPlan, StepShape
 from jphoton.engine.slots import StepInput
 from jphoton.engine.step import AUTOMATON_ADVANCE, AUTOMATON_CARRIED, AUTOMATON_GIVEN, StepLayout, StepStatic
 from jphoton.sampling import seed_key_data
@@ -52,8 +52,9 @@ class StepPacker:
                 if ok:
                     return self._pack_steady(plan, prev, src)
             inp = self._pack_full(plan)
-            self._steady = _SteadyPack(plan.shape, [r.seq for r in d], [r.seq.block_table for r in d],
-                                       [len(r.seq.block_table) for r in d], self.layout(plan.shape).views(inp.packed))
+            tables = [s.block_table for s in d.seqs]
+            self._steady = _SteadyPack(plan.shape, list(d.seqs), tables, list(map(len, tables)),
+                                       self.layout(plan.shape).views(inp.packed))
             return inp
         # A step with prefill rows: its decode rows are packed as a decode-only step would be (from the last decode
         # pack, which the next decode step then starts from: under staggered arrivals every few steps carry a
@@ -68,15 +69,15 @@ class StepPacker:
         return self._pack_full(plan)
 
     @staticmethod
-    def _start_from(prev: _SteadyPack, d: list) -> tuple[bool, list[int] | None]:
+    def _start_from(prev: _SteadyPack, d: DecodeRows) -> tuple[bool, list[int] | None]:
         """Whether decode rows `d` start from the previous pack, and how: None, the same rows in the same order; else
         each row's row there (-1: new). Not when most rows are new (a full pack is as cheap). Under churn (requests
         finishing and arriving every few steps) most decode steps change their rows by one or two: this keeps them
         off the full pack, ~4x the steady one at 64 rows."""
-        if len(prev.seqs) == len(d) and all(r.seq is s for r, s in zip(d, prev.seqs, strict=True)):
+        if prev.seqs == d.seqs:  # (Sequence has no __eq__: identity, element by element in C)
             return True, None
         where = {id(s): j for j, s in enumerate(prev.seqs)}
-        src = [where.get(id(r.seq), -1) for r in d]
+        src = [where.get(id(s), -1) for s in d.seqs]
         return 4 * src.count(-1) <= len(d), src
 
     @staticmethod
@@ -120,18 +121,18 @@ class StepPacker:
                     v[f][n:len(prev.seqs)] = empty[f][n:len(prev.seqs)]
             new = [i for i, j in enumerate(src) if j < 0]
             if new:
-                self._write_sampling(v, [d[i] for i in new])
+                self._write_sampling(v, new, [d.seqs[i] for i in new])
                 if self.lora_enabled:
-                    v["d_lora"][new] = [d[i].seq.lora_slot for i in new]
+                    v["d_lora"][new] = [d.seqs[i].lora_slot for i in new]
             tables = [prev.tables[j] if j >= 0 else None for j in src]
             lengths = [prev.lengths[j] if j >= 0 else 0 for j in src]
-            prev = _SteadyPack(plan.shape, [r.seq for r in d], tables, lengths, prev.views)
-        v["d_tokens"][:n] = [row.tokens[0] if row.tokens else 0 for row in d]
-        v["d_carry"][:n] = [row.carry_from for row in d]
-        v["d_pos"][:n] = [row.start for row in d]
-        v["sample_index"][[row.out_row for row in d]] = [row.sample_index for row in d]
-        for i, row in enumerate(d):  # tables only grow in place (a new list object means a new table)
-            t = row.seq.block_table
+            prev = _SteadyPack(plan.shape, list(d.seqs), tables, lengths, prev.views)
+        v["d_tokens"][:n] = d.tokens
+        v["d_carry"][:n] = d.carry
+        v["d_pos"][:n] = d.start
+        v["sample_index"][:n] = d.sample_index
+        for i, s in enumerate(d.seqs):  # tables only grow in place (a new list object means a new table)
+            t = s.block_table
             if t is not prev.tables[i]:
                 table[i] = self.static.trash_page
                 table[i, :len(t)] = t
@@ -161,13 +162,13 @@ class StepPacker:
         return self._empties[layout]
 
     @staticmethod
-    def _write_sampling(v: dict[str, np.ndarray], rows: list) -> None:
-        """Each row's sampling parameters at its output row (sample_index is per step: written by the callers)."""
-        out = [row.out_row for row in rows]
-        v["temperature"].view(np.float32)[out] = [row.seq.params.temperature for row in rows]
-        v["key"][out] = seed_key_data(np.array([row.seq.seed for row in rows], np.uint64)).view(np.int32)
-        v["top_k"][out] = [row.seq.params.top_k for row in rows]
-        v["top_p"].view(np.float32)[out] = [row.seq.params.top_p for row in rows]
+    def _write_sampling(v: dict[str, np.ndarray], out: list[int] | slice, seqs: list) -> None:
+        """Each sequence's sampling parameters at its output row (`out`; sample_index is per step: written by the
+        callers)."""
+        v["temperature"].view(np.float32)[out] = [s.params.temperature for s in seqs]
+        v["key"][out] = seed_key_data(np.array([s.seed for s in seqs], np.uint64)).view(np.int32)
+        v["top_k"][out] = [s.params.top_k for s in seqs]
+        v["top_p"].view(np.float32)[out] = [s.params.top_p for s in seqs]
 
     def _pack_mixed(self, plan: StepPlan, decode: dict[str, np.ndarray]) -> StepInput:
         """A step with prefill rows whose decode rows are packed already, in `decode` (a decode-only layout's views
@@ -191,8 +192,9 @@ class StepPacker:
             table = row.seq.block_table
             v["p_table"][j, :len(table)] = table
         if prefill:
-            self._write_sampling(v, prefill)
-            v["sample_index"][[row.out_row for row in prefill]] = [row.sample_index for row in prefill]
+            out = [row.out_row for row in prefill]
+            self._write_sampling(v, out, [row.seq for row in prefill])
+            v["sample_index"][out] = [row.sample_index for row in prefill]
 
     def _pack_full(self, plan: StepPlan) -> StepInput:
         shape = plan.shape
@@ -200,15 +202,14 @@ class StepPacker:
         # Column-wise fills (one numpy call per field, not per row): packing is on the host's critical path.
         if d := plan.decode:
             n = len(d)
-            v["d_tokens"][:n] = [row.tokens[0] if row.tokens else 0 for row in d]
-            v["d_carry"][:n] = [row.carry_from for row in d]
-            v["d_pos"][:n] = [row.start for row in d]
-            _fill_ragged(v["d_table"], [row.seq.block_table for row in d])
+            v["d_tokens"][:n] = d.tokens
+            v["d_carry"][:n] = d.carry
+            v["d_pos"][:n] = d.start
+            _fill_ragged(v["d_table"], [s.block_table for s in d.seqs])
             if self.lora_enabled:
-                v["d_lora"][:n] = [row.seq.lora_slot for row in d]
-        if d:
-            self._write_sampling(v, d)
-            v["sample_index"][[row.out_row for row in d]] = [row.sample_index for row in d]
+                v["d_lora"][:n] = [s.lora_slot for s in d.seqs]
+            self._write_sampling(v, slice(0, n), d.seqs)
+            v["sample_index"][:n] = d.sample_index
         self._pack_prefill(v, plan.prefill)
         return StepInput(shape, v["_buffer"])
 

@@ -44,7 +44,7 @@ from jphoton.engine.config import EngineConfig
 from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
-from jphoton.engine.scheduler import Scheduler, StepPlan
+from jphoton.engine.scheduler import CONSTRAINED, LOGPROBS, Scheduler, StepPlan
 from jphoton.engine.slots import DecodeSlot, PlannedStep, StepResult
 from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import RequestOutput, Sequence
@@ -202,18 +202,19 @@ class Engine:
         if plan is None:
             return None
         kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
-        rec = StepRecord(plan.step_id, kind, len(plan.rows), plan.num_tokens, t_plan=t_plan)
+        rec = StepRecord(plan.step_id, kind, plan.num_rows, plan.num_tokens, t_plan=t_plan)
         grammar_rows = automaton_rows = 0
-        for r in plan.rows:
-            c = r.seq.constraint
-            if c is not None and r.samples:
-                grammar_rows += 1
-                automaton_rows += c.device is not None
+        if plan.flags & CONSTRAINED:
+            for r in plan.rows:
+                c = r.seq.constraint
+                if c is not None and r.samples:
+                    grammar_rows += 1
+                    automaton_rows += c.device is not None
         rec.automaton_rows = automaton_rows
         # Automaton rows sample inside the step (its filtered variant reads the device tables) unless the step must be
         # sampled later anyway: host-mask rows (llguidance), logprobs (a second sampler), no filtered variant (yet).
         on_device = (automaton_rows > 0 and automaton_rows == grammar_rows and self.runner.has_filtered_variant(plan)
-                     and not any(r.seq.params.logprobs is not None for r in plan.rows))
+                     and not plan.flags & LOGPROBS)
         rec.constrained_rows = 0 if on_device else grammar_rows  # sampled at finalize, under host masks
         if rec.constrained_rows and self.num_constrained_steps == 0:
             log.info("grammar rows in the batch: their steps sample after the previous commit (forward now, "
@@ -266,45 +267,60 @@ class Engine:
         rec.t_ready = now()
         verdicts = self._advance_grammar(plan, result) if rec.constrained_rows or rec.automaton_rows else {}
         rec.t_advanced = now()
-        outputs = []
+        outputs: list[RequestOutput] = []
         tokens = result.tokens
-        for row in plan.rows:
+        plain = not verdicts and result.logprobs is None
+        for out_row, seq in enumerate(plan.decode.seqs):  # decode rows: one sample each, at their own output row
+            seq.inflight_refs -= 1
+            seq.pending_samples -= 1
+            if seq.finish_reason is None:
+                if plain and seq.choice_group is None:  # (the usual row, inlined)
+                    outputs.append(seq.output(seq.append(tokens[out_row])))
+                else:
+                    self._commit_sample(seq, out_row, tokens[out_row], result, verdicts, outputs)
+            if seq.finish_reason is not None and not seq.inflight_refs:  # else release_if_done is a no-op
+                self._maybe_release(seq)
+        for row in plan.prefill:
             seq = row.seq
             seq.inflight_refs -= 1
             if row.samples:
                 seq.pending_samples -= 1
-            if row.samples and seq.finish_reason is None:
-                token = tokens[row.out_row]
-                verdict = verdicts.get(id(row), ACCEPTED) if verdicts else ACCEPTED
-                if not verdict.accepted:  # cannot happen with a correct mask; end this request only
-                    log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
-                    delta = seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")
-                    if seq.choice_group is None:
-                        outputs.append(seq.output(delta))
-                    else:
-                        self._branch_done(seq, outputs)
-                    self._maybe_release(seq)
-                    continue
-                delta = seq.append(token, grammar_done=verdict.done)
-                lp = None
-                if seq.params.logprobs is not None and result.logprobs is not None:
-                    k = seq.params.logprobs
-                    lp = [(token, float(result.logprobs[row.out_row, 0]),
-                           {int(i): float(v) for i, v in zip(result.top_ids[row.out_row, :k],
-                                                             result.logprobs[row.out_row, 1:k + 1], strict=True)})]
-                    seq.logprobs.extend(lp)
-                if seq.choice_group is None:
-                    outputs.append(seq.output(delta, lp))
-                elif seq.finished:
-                    self._branch_done(seq, outputs)
-            if seq.finish_reason is not None and not seq.inflight_refs:  # else release_if_done is a no-op
+                if seq.finish_reason is None:
+                    self._commit_sample(seq, row.out_row, tokens[row.out_row], result, verdicts, outputs)
+            if seq.finish_reason is not None and not seq.inflight_refs:
                 self._maybe_release(seq)
         rec.t_committed = now()
         self.telemetry.add(rec)
         return outputs
 
+    def _commit_sample(self, seq: Sequence, out_row: int, token: int, result: StepResult,
+                       verdicts: dict[int, GrammarVerdict], outputs: list[RequestOutput]) -> None:
+        """Append a row's sampled token to its live sequence (grammar verdict, logprobs, choice branches)."""
+        verdict = verdicts.get(out_row, ACCEPTED) if verdicts else ACCEPTED
+        if not verdict.accepted:  # cannot happen with a correct mask; end this request only
+            log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
+            delta = seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")
+            if seq.choice_group is None:
+                outputs.append(seq.output(delta))
+            else:
+                self._branch_done(seq, outputs)
+            self._maybe_release(seq)
+            return
+        delta = seq.append(token, grammar_done=verdict.done)
+        lp = None
+        if seq.params.logprobs is not None and result.logprobs is not None:
+            k = seq.params.logprobs
+            lp = [(token, float(result.logprobs[out_row, 0]),
+                   {int(i): float(v) for i, v in zip(result.top_ids[out_row, :k], result.logprobs[out_row, 1:k + 1],
+                                                     strict=True)})]
+            seq.logprobs.extend(lp)
+        if seq.choice_group is None:
+            outputs.append(seq.output(delta, lp))
+        elif seq.finished:
+            self._branch_done(seq, outputs)
+
     def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, GrammarVerdict]:
-        """Feed every live grammar row its committed token: {id(row): verdict}."""
+        """Feed every live grammar row its committed token: {output row: verdict}."""
         verdicts = {}
         on_host = []
         tokens = result.tokens
@@ -318,13 +334,13 @@ class Engine:
                 continue
             token = tokens[r.out_row]
             if not device.advance(token):
-                verdicts[id(r)] = GrammarVerdict(False, True, device.error_text)
+                verdicts[r.out_row] = GrammarVerdict(False, True, device.error_text)
             elif device.done_after(token):
-                verdicts[id(r)] = GrammarVerdict(True, True, "")
+                verdicts[r.out_row] = GrammarVerdict(True, True, "")
             # (else accepted, not done: the commit's default, no record per row)
         if on_host:
             oks = self.grammar.advance([(r.seq.constraint, result.tokens[r.out_row]) for r in on_host])
-            verdicts.update({id(r): GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
+            verdicts.update({r.out_row: GrammarVerdict(ok, r.seq.constraint.done, "" if ok else r.seq.constraint.error())
                              for r, ok in zip(on_host, oks, strict=True)})
         return verdicts
 

@@ -24,7 +24,7 @@ from jphoton.constraints import mask_words
 from jphoton.engine import sharded
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.packing import StepPacker
-from jphoton.engine.scheduler import StepPlan, StepShape
+from jphoton.engine.scheduler import FILTERS, LOGPROBS, LORA, StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
@@ -310,7 +310,7 @@ class Runner:
 
     def uses_lora(self, plan: StepPlan) -> bool:
         """A row of the step uses a LoRA adapter: the step runs its LoRA variant."""
-        return self.lora_enabled and any(r.seq.lora_slot >= 0 for r in plan.rows)
+        return self.lora_enabled and bool(plan.flags & LORA)
 
     def load_lora(self, slot: int, adapter) -> None:
         """Write an adapter (weights/peft.py PeftAdapter) into slot `slot` of the device weights: one precompiled,
@@ -324,8 +324,7 @@ class Runner:
 
     @staticmethod
     def wants_filters(plan: StepPlan) -> bool:
-        return any(r.samples and r.seq.params.temperature > 0 and (r.seq.params.top_k or r.seq.params.top_p < 1)
-                   for r in plan.rows)
+        return bool(plan.flags & FILTERS)
 
     def has_filtered_variant(self, plan: StepPlan) -> bool:
         """The step can sample top-k / top-p rows and device automata itself: its filtered variant exists (or,
@@ -340,18 +339,19 @@ class Runner:
         applies top-k / top-p (default: if any row asks)."""
         if filtered is None:
             filtered = self.wants_filters(plan)
-        want_lp = any(r.seq.params.logprobs is not None for r in plan.rows)  # 0: the chosen token's only
+        want_lp = bool(plan.flags & LOGPROBS)  # (else 0: the chosen token's only)
         if not filtered and not want_lp and not masked:
             return None
         inp = self._sampler_input(SamplerVariant(filtered, self.max_logprobs if want_lp else 0, masked))
         rows = inp.fields
-        out = [row.out_row for row in plan.rows]
-        params = [row.seq.params for row in plan.rows]
+        plan_rows = plan.rows
+        out = [row.out_row for row in plan_rows]
+        params = [row.seq.params for row in plan_rows]
         rows[out, 0] = np.array([p.temperature for p in params], np.float32).view(np.int32)
         rows[out, 1] = [p.top_k for p in params]
         rows[out, 2] = np.array([p.top_p for p in params], np.float32).view(np.int32)
-        rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan.rows], np.uint64)).view(np.int32)
-        rows[out, 5] = [row.sample_index for row in plan.rows]
+        rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan_rows], np.uint64)).view(np.int32)
+        rows[out, 5] = [row.sample_index for row in plan_rows]
         rows[out, 6] = [p.logprobs or 0 for p in params]
         return inp
 

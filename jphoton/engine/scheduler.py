@@ -87,20 +87,70 @@ class Row:
     out_row: int = -1  # where the sample lands in this step's output buffer
 
 
+# What a row asks of its step beyond a plain forward and sampler (`row_flags`, `StepPlan.flags`), so that the per-step
+# path reads one int instead of every row's parameters. The sampling flags count for rows that sample, LORA for any row.
+FILTERS = 1  # top-k / top-p (the filtered sampler)
+LOGPROBS = 2  # logprobs (a second sampler)
+CONSTRAINED = 4  # a grammar (masks or device automata)
+LORA = 8  # a LoRA adapter (the step's LoRA variant)
+
+
+def row_flags(seq: Sequence) -> int:
+    """A sequence's flags (set when the scheduler gets it: its parameters, constraint and LoRA slot are fixed then)."""
+    p = seq.params
+    return ((FILTERS if p.temperature > 0 and (p.top_k or p.top_p < 1) else 0)
+            | (LOGPROBS if p.logprobs is not None else 0) | (CONSTRAINED if seq.constraint is not None else 0)
+            | (LORA if seq.lora_slot >= 0 else 0))
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeRows:
+    """A step's decode rows as columns (no object per row: at 64 rows a `Row` each cost ~35 us of a ~130 us plan on
+    the CI box). Row i is one token of seqs[i] at position start[i] and samples into output row i; its input is
+    tokens[i], or, where carry[i] >= 0, row carry[i] of the previous step's output (still on the device)."""
+
+    seqs: list[Sequence]
+    start: list[int]
+    tokens: list[int]  # 0 where carried
+    carry: list[int]
+    sample_index: list[int]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def rows(self) -> list[Row]:
+        """As `Row`s (for the paths that are not per step: grammar, logprobs, filters, tests)."""
+        return [Row(s, p, 1, [t] if c < 0 else [], c, True, k, i) for i, (s, p, t, c, k) in
+                enumerate(zip(self.seqs, self.start, self.tokens, self.carry, self.sample_index, strict=True))]
+
+    @classmethod
+    def of(cls, rows: list[Row]) -> DecodeRows:
+        """From decode `Row`s in output-row order (tests)."""
+        assert all(r.out_row == i and r.num_tokens == 1 and r.samples for i, r in enumerate(rows))
+        return cls([r.seq for r in rows], [r.start for r in rows], [r.tokens[0] if r.tokens else 0 for r in rows],
+                   [r.carry_from for r in rows], [r.sample_index for r in rows])
+
+
 @dataclasses.dataclass
 class StepPlan:
     step_id: int
-    decode: list[Row]
+    decode: DecodeRows
     prefill: list[Row]
     shape: StepShape  # the compiled step it runs in (padded sizes)
+    flags: int = 0  # FILTERS | LOGPROBS | CONSTRAINED of the rows that sample, LORA of any row
 
     @property
     def rows(self) -> list[Row]:
-        return self.decode + self.prefill
+        """Every row as a `Row` (decode rows built anew: not for the per-step path)."""
+        return self.decode.rows() + self.prefill
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.decode) + len(self.prefill)
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        return len(self.decode) + sum(r.num_tokens for r in self.prefill)
 
 
 class Scheduler:
@@ -122,6 +172,7 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = "waiting"
+        seq.sample_flags = row_flags(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -154,18 +205,17 @@ class Scheduler:
         prefill shapes in chunks, decode rows beyond the largest ready bucket take turns, and a step that cannot mix
         decode with prefill alternates with a prefill-only one."""
         step_id = self._next_step
-        planned: set[int] = set()
+        planned: set[int] = set()  # ids of the prefill rows' sequences (decode rows: last_sample is this step)
         prefill_turn, self._prefill_turn = self._prefill_turn, False
-        decode = [] if prefill_turn else self._plan_decode(step_id, planned)
+        decode, flags = (DecodeRows([], [], [], [], []), 0) if prefill_turn else self._plan_decode(step_id, planned)
         prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
         if prefill_turn and not prefill:  # nothing could be prefilled after all: decode this step
-            decode = self._plan_decode(step_id, planned)
+            decode, flags = self._plan_decode(step_id, planned)
             prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
         if not decode and not prefill:
             return None
         if shape is None:  # decode only
             shape = self._decode_shape(decode)
-        plan = StepPlan(step_id, decode, prefill, shape)
         for j, row in enumerate(prefill):
             row.out_row = shape.decode_rows + j
             s = row.seq
@@ -174,8 +224,11 @@ class Scheduler:
             if row.samples:
                 s.pending_samples += 1
                 s.last_sample = (step_id, row.out_row)
+                flags |= s.sample_flags
+            else:
+                flags |= s.sample_flags & LORA
         self._next_step += 1
-        return plan
+        return StepPlan(step_id, decode, prefill, shape, flags)
 
     def _is_ready(self, shape: StepShape) -> bool:
         return self.ready is None or shape in self.ready
@@ -192,8 +245,8 @@ class Scheduler:
         """Decode rows need a context bucket (static attention); with the Pallas kernel or the dynamic loop none."""
         return bool(self.config.context_buckets)
 
-    def _decode_shape(self, decode: list[Row]) -> StepShape:
-        for c in self._ctx_pages(decode if self._static_decode() else []):
+    def _decode_shape(self, decode: DecodeRows) -> StepShape:
+        for c in self._ctx_pages(decode.rows() if self._static_decode() else []):
             for d in self.config.decode_buckets:
                 if d >= len(decode) and self._is_ready(StepShape(d, 0, 0, c)):
                     return StepShape(d, 0, 0, c)
@@ -209,13 +262,20 @@ class Scheduler:
         return min(limit, max((s.decode_rows for s in self.ready if not s.prefill_rows and s.ctx_pages == ctx),
                               default=0))
 
-    def _plan_decode(self, step_id: int, planned: set[int]) -> list[Row]:
+    def _plan_decode(self, step_id: int, planned: set[int]) -> tuple[DecodeRows, int]:
         """Claim a decode row for every running sequence that can take one, oldest admission first, and book it as
-        launched (num_computed, inflight_refs, pending_samples, last_sample) as `plan` does for prefill rows.
+        launched (num_computed, inflight_refs, pending_samples, last_sample) as `plan` does for prefill rows. Returns
+        the rows and their sample flags.
 
-        One pass with the per-row tests inlined: this loop runs for every row of every step on the host's critical
-        path (benchmarks/host_overhead.py: 128 rows took ~2.5 us each with helper calls and property reads)."""
-        rows: list[Row] = []
+        One pass with the per-row tests inlined, into columns: this loop runs for every row of every step on the
+        host's critical path (benchmarks/host_overhead.py: 128 rows took ~2.5 us each with helper calls and property
+        reads)."""
+        seqs: list[Sequence] = []
+        starts: list[int] = []
+        tokens: list[int] = []
+        carries: list[int] = []
+        samples: list[int] = []
+        flags = 0
         limit = self._decode_limit()
         if len(self.running) > limit and self.ready is not None:  # the next larger decode bucket is wanted
             ctx = self.config.context_buckets[-1] if self._static_decode() else 0
@@ -225,7 +285,7 @@ class Scheduler:
         # `running` is in admission order (admission appends, preemption removes), so no sort is needed for FIFO; the
         # copy is because a page reservation may preempt (remove) other sequences while we walk.
         for s in list(self.running):
-            if len(rows) >= limit:
+            if len(seqs) >= limit:
                 break
             pos, pending = s.num_computed, s.pending_samples
             n_out = len(s.output_ids)
@@ -240,23 +300,26 @@ class Scheduler:
             if pos >= len(s.block_table) * page_size and not self._reserve(s, pos + 1, planned):
                 continue
             if known < 0:
-                tokens, carry = [s.prompt_ids[pos]], -1
+                token, carry = s.prompt_ids[pos], -1
             elif known < n_out:
-                tokens, carry = [s.output_ids[known]], -1
+                token, carry = s.output_ids[known], -1
             else:  # the input is the token sampled by the step launched just before, still on the device
                 prev_step, carry = s.last_sample
                 assert prev_step == step_id - 1, "a pending token must come from the step launched just before"
-                tokens = []
-            out_row = len(rows)
-            rows.append(Row(s, pos, 1, tokens, carry, True, n_out + pending, out_row))
-            planned.add(id(s))
+                token = 0
+            s.last_sample = (step_id, len(seqs))
+            seqs.append(s)
+            starts.append(pos)
+            tokens.append(token)
+            carries.append(carry)
+            samples.append(n_out + pending)
+            flags |= s.sample_flags
             s.num_computed = pos + 1
             s.inflight_refs += 1
             s.pending_samples = pending + 1
-            s.last_sample = (step_id, out_row)
-        return rows
+        return DecodeRows(seqs, starts, tokens, carries, samples), flags
 
-    def _plan_prefill(self, budget: int, planned: set[int], decode: list[Row]) -> tuple[list[Row], StepShape | None]:
+    def _plan_prefill(self, budget: int, planned: set[int], decode: DecodeRows) -> tuple[list[Row], StepShape | None]:
         """Prefill chunks for the step (oldest first) and the ready shape that holds them with `decode` (None: no
         prefill). Only shapes in `ready` are used: a chunk is cut to the largest ready prefill bucket."""
         cfg = self.config
@@ -372,11 +435,11 @@ class Scheduler:
         if not self._is_ready(shape) and self.wanted is None:
             self.wanted = shape
 
-    def _fit_prefill(self, d_part: int, rows: list[Row], decode: list[Row]) -> StepShape | None:
+    def _fit_prefill(self, d_part: int, rows: list[Row], decode: DecodeRows) -> StepShape | None:
         """The cheapest ready shape with `d_part` decode rows that holds every prefill row (and, with static
         attention, the decode rows' contexts), or None. If the cheapest is not ready, it becomes `wanted`."""
         chunks = [r.num_tokens for r in rows]
-        ctxs = self._ctx_pages(rows + (decode if self._static_decode() else []))
+        ctxs = self._ctx_pages(rows + (decode.rows() if self._static_decode() else []))
         fits = sorted((r * t, r, t) for r, t in self.config.prefill_buckets if r >= len(chunks) and t >= max(chunks))
         best = None
         for _, r, t in fits:
@@ -400,7 +463,7 @@ class Scheduler:
             if not may_preempt:
                 return False
             victims = [v for v in self.running if v is not s and id(v) not in planned and not v.finalized
-                       and v.status == "running"]
+                       and v.status == "running" and v.last_sample[0] != self._next_step]
             if not victims:
                 self._preempt(s)
                 return False

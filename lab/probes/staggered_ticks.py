@@ -28,6 +28,36 @@ sys.path.insert(0, __file__.rsplit("/", 3)[0])
 NO_WAIT_S = 20e-6
 
 
+class BubbleClock:
+    """Whether the device had run out of work when the host launched a step: before each launch, is the step launched
+    before it done on the device (its tokens `is_ready`), at the launch's start and at its end? Done at the start: the
+    device idled for at least the whole launch (a host-bound tick); done only by the end: it may have idled for part of
+    it. Neither: the step was queued behind a running one (a device-bound tick)."""
+
+    def __init__(self, engine):
+        self.marks: list[tuple[float, bool, bool]] = []  # (time at the launch's start, done then, done at its end)
+        runner = engine.runner
+        launch = runner.launch
+
+        def timed_launch(step, defer_sampling=False):
+            prev = runner._last_launched
+            t = time.perf_counter()
+            before = prev is not None and prev.tokens is not None and prev.tokens.is_ready()
+            slot = launch(step, defer_sampling)
+            after = before or (prev is not None and prev is not slot and prev.tokens is not None
+                               and prev.tokens.is_ready())
+            self.marks.append((t, before, after))
+            return slot
+
+        runner.launch = timed_launch
+
+    def summary(self, lo: float, hi: float) -> dict:
+        m = [(b, a) for t, b, a in self.marks if lo <= t <= hi]
+        n = max(len(m), 1)
+        return {"launches": len(m), "idle_at_launch_start": sum(b for b, _ in m) / n,
+                "idle_by_launch_end": sum(a for _, a in m) / n}
+
+
 class GcClock:
     """Python GC passes (gc.callbacks): count and ms by generation since the last `take`."""
 
@@ -160,9 +190,11 @@ def main() -> None:
 
             gc.set_threshold(*args.gc_threshold)
         clock = GcClock()
+        bubbles = BubbleClock(llm.engine)
         t0 = time.perf_counter()
         r = timed_run(llm, prompts[:c], params)
         static = summarise(llm.telemetry.records, t0, time.perf_counter())
+        static["bubbles"] = bubbles.summary(t0, time.perf_counter())
         gc_static = clock.take()
         duration = r.decode_ms_median / 1e3 * args.new_tokens
         events = EventClock(llm.engine)
@@ -172,12 +204,14 @@ def main() -> None:
         # engine_staggered's window: from the last start to the first client running out (its own numbers)
         lo = recs[0].t_launch + duration * (c - 1) / c
         staggered = summarise(recs, lo, lo + st["window_s"], events)
+        staggered["bubbles"] = bubbles.summary(lo, lo + st["window_s"])
         res = {"static_tok_s": c / (r.decode_ms_median / 1e3), "staggered_tok_s": st["decode_tok_s"],
                "ratio": st["decode_tok_s"] / (c / (r.decode_ms_median / 1e3)), "static": static,
                "staggered": staggered, "device_step_ms": llm.device_step_ms(c, context=args.prompt_len + 128),
                "gc_static": gc_static, "gc_staggered": gc_staggered}
         out["runs"][f"depth{depth}"] = res
-        print(json.dumps({"depth": depth, "ratio": res["ratio"], "static_tok_s": res["static_tok_s"],
+        print(json.dumps({"depth": depth, "bubbles": {"static": static["bubbles"], "staggered": staggered["bubbles"]},
+                          "ratio": res["ratio"], "static_tok_s": res["static_tok_s"],
                           "staggered_tok_s": res["staggered_tok_s"], "gc_static": gc_static,
                           "gc_staggered": gc_staggered, "device_step_ms": res["device_step_ms"],
                           **{f"{w}.{k}": {m: round(v[m], 3) for m in ("period_ms_mean", "plan_ms_mean",
@@ -186,7 +220,8 @@ def main() -> None:
                                           if m in v} | {"n": v["n"],
                                                                                                   "no_wait": v["no_wait"],
                                                                                                   "rows": v["rows"]}
-                             for w, s in (("static", static), ("staggered", staggered)) for k, v in s.items()}}),
+                             for w, s in (("static", static), ("staggered", staggered)) for k, v in s.items()
+                             if k != "bubbles"}}),
               flush=True)
         del llm
     if args.out:
