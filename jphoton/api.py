@@ -455,19 +455,22 @@ class LLM:
             ids = prompt["prompt_token_ids"]
             if isinstance(ids, np.ndarray):
                 ids = ids.tolist()
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                             for t in ids):
+            if type(ids) is list and all(type(t) is int for t in ids):  # (the usual case, ~10x faster: served
+                ids = list(ids)  # prompts are prepared on the engine's thread)
+            elif not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer))
+                                                               and not isinstance(t, bool) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers")
-            ids = [int(t) for t in ids]
+            else:
+                ids = [int(t) for t in ids]
         else:
             raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt (no tokens)")
         if len(ids) >= self.max_model_len:  # before the scan below: a 2 MB prompt is half a million ids
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
     def _make_sequences(self, prompt_ids: list[list[int]],

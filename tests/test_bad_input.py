@@ -6,6 +6,7 @@ import json
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 
 from jphoton import SamplingParams
@@ -156,6 +157,11 @@ def test_bad_prompts_and_the_engine_keeps_serving(embedded_llm):
         llm.generate({"prompt_token_ids": [-1]})
     with pytest.raises(ValueError, match="list of integers"):
         llm.generate({"prompt_token_ids": ["a"]})
+    for ids in ([1, True], [2, 3.0], (4, None)):  # (bools are not token ids)
+        with pytest.raises(ValueError, match="list of integers"):
+            llm.prepare_request({"prompt_token_ids": ids})
+    for ids in ((5, 6), np.array([5, 6]), [np.int64(5), 6], [5, 6]):  # the plain list takes a fast path, the rest not
+        assert llm.prepare_request({"prompt_token_ids": ids}).prompt_ids == [5, 6]
     with pytest.raises(ValueError, match="exceeds the context"):
         llm.generate("Hello", SamplingParams(max_tokens=llm.max_model_len))
     with pytest.raises(ValueError, match="SamplingParams for"):
