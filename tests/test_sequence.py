@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from jphoton.params import SamplingParams
 from jphoton.sequence import Sequence
-from jphoton.tokenizer import IncrementalDetokenizer
+from jphoton.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from conftest import FIXTURES
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +30,46 @@ def test_detokenizer_never_emits_broken_utf8(tok):
     pieces = [detok.push(i) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)
+
+
+class _WindowDetokenizer:
+    """The reference: two decodes a token over a short window, a delta held back while the window's text ends in
+    U+FFFD (what `IncrementalDetokenizer`'s DecodeStream does in Rust; jphoton used this until 2026-11-29)."""
+
+    def __init__(self, tok, prompt_ids):
+        self.tok, self.ids = tok, list(prompt_ids[-6:])
+        self.prefix, self.read = 0, len(self.ids)
+
+    def push(self, token_id):
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full_text = self.tok.decode(self.ids[self.prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+
+@pytest.mark.parametrize("which", ["embedded", "llama3"])
+def test_detokenizer_equals_the_window_reference(tok, which):
+    """Every delta equal to the reference's, for text and for random ids (invalid UTF-8 on the way, special tokens),
+    after any prompt tail that ends on a character boundary (one that ends inside a character: the class docstring)."""
+    if which == "llama3":  # a tiny byte-level vocabulary: many ids are lone UTF-8 bytes
+        tok = Tokenizer.from_hf_dir(FIXTURES / "tiny" / "llama3")
+    rng = random.Random(5)
+    texts = ["The quick brown fox. ", "naïve café — 日本語のテキスト ☃ 🎉", "  spaces\n\ttabs\n", "def f(x):\n    return x"]
+    checked = 0
+    for trial in range(300):
+        ids = (tok.encode(rng.choice(texts) * rng.randint(1, 4)) if trial % 2
+               else [rng.randrange(tok.vocab_size) for _ in range(rng.randint(8, 60))])
+        k = rng.randint(1, min(8, len(ids) - 1))
+        prompt, out = ids[:k], ids[k:]
+        if tok.decode(prompt[-6:]).endswith("\ufffd"):
+            continue
+        fast, ref = IncrementalDetokenizer(tok, prompt), _WindowDetokenizer(tok, prompt)
+        assert [fast.push(i) for i in out] == [ref.push(i) for i in out], (trial, prompt, out)
+        checked += 1
+    assert checked > 150
 
 
 def test_stop_string_across_token_boundaries_is_cut_and_never_streamed(tok):
