@@ -16,6 +16,7 @@ timeout 130 python3 benchmarks/serving.py --model random:llama3.2-1b --concurren
   --no-engine-baseline --out "$OUT/serving_1b_b.json" > "$OUT/1b_b.log" 2>&1; show "$OUT/1b_b.log"
 if [ -d .ab/base ] && [ "${BASE:-1}" = 1 ]; then
   OUT=$OUT timeout ${BASE_LIMIT:-200} bash lab/issue23_base_serving.sh > "$OUT/base.log" 2>&1
+  pkill -f serve_tree.py; sleep 2
   grep -E "^C=" "$OUT/base.log" | cut -c1-260
 fi
 timeout 150 python3 benchmarks/serving.py --model random:smollm2-135m --concurrency 32 $COMMON --frontends 1 2 \
