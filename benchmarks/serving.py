@@ -46,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 from server import jphoton_pb2 as pb  # noqa: E402
 from server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
+from server.engine_process import default_frontends  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -458,9 +459,9 @@ def main(argv=None):
     ap.add_argument("--servers", nargs="+", default=["process"], choices=("process", "thread"),
                     help="start a server of each kind in turn, same load: the engine in its own process (what `jphoton "
                          "serve` runs) or in a thread of the server process (`jphoton serve --in-process`)")
-    ap.add_argument("--frontends", type=int, nargs="+", default=[1],
-                    help="the server's frontend processes (`jphoton serve --frontends`); several values: one server "
-                         "each, in turn, same load")
+    ap.add_argument("--frontends", type=int, nargs="+", default=[0],
+                    help="the server's frontend processes (`jphoton serve --frontends`; 0: as it picks, 2 on a host "
+                         "with 8 or more CPUs, else 1); several values: one server each, in turn, same load")
     ap.add_argument("--channels-per-proc", type=int, default=4,
                     help="connections per load-generator process (requests dealt over them)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
@@ -495,7 +496,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     runs = []
     combos = ([(None, None)] if args.connect else
-              [(s, f) for s in args.servers for f in (args.frontends if s == "process" else [1])])
+              [(s, f or default_frontends()) for s in args.servers for f in (args.frontends if s == "process" else [1])])
     for server, frontends in combos:
         child = None
         BASELINE.clear()

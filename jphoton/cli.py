@@ -199,7 +199,9 @@ def _cmd_serve(args) -> int:
     import shutil
     import tempfile
 
-    frontends = args.frontends
+    from server.engine_process import default_frontends
+
+    frontends = args.frontends or default_frontends()
     metrics_dir = None
     if frontends > 1 and args.metrics_port is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # the frontends' request metrics are summed through files (server/metrics.py): set before the import
@@ -239,7 +241,7 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from jphoton.engine.config import Limits  # plain Python: no jax import for --help
 
     parser = argparse.ArgumentParser(prog="jphoton", description="JAX/Pallas LLM inference engine")
@@ -290,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queue", type=_int_in(1), default=512,
                    help="most unfinished requests the server holds; beyond it Generate answers RESOURCE_EXHAUSTED")
     s.add_argument("--metrics-port", type=_int_in(0, 65535), default=None, help="serve Prometheus /metrics on this port")
-    s.add_argument("--frontends", type=_int_in(1, 64), default=1,
-                   help="gRPC processes, each with its own event loop, sharing the port and the one engine process: 2 "
-                        "halves TTFT at 64 streams but costs 7-14%% of throughput at 32 (docs/serving.md)")
+    s.add_argument("--frontends", type=_int_in(1, 64), default=None,
+                   help="gRPC processes, each with its own event loop, sharing the port and the one engine process "
+                        "(default: 2 on a host with 8 or more CPUs, else 1; one loop at 64 streams doubles TTFT; 1 "
+                        "suits a tiny model whose engine is host-bound: docs/serving.md)")
     s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
     s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -309,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--" + name.replace("_", "-"), type=_int_in(1),
                        default=getattr(limits, name), help=help_text)
     s.set_defaults(func=_cmd_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -368,6 +368,7 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
     server.drain_grace, server.switch_interval = grace, switch_interval
     port = await server.start()
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
+          + (f", {server.frontends} frontend processes" if server.frontends > 1 else "")
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),
           flush=True)
     load = asyncio.create_task(server.load(model))

@@ -34,6 +34,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import queue
 import threading
@@ -46,7 +47,8 @@ from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
 from server.engine_loop import LORA_WAIT_S, LoraError, child_main, lora_error
 
-__all__ = ["LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError", "Rejected", "Spawn", "lora_error"]
+__all__ = ["LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError", "Rejected", "Spawn", "default_frontends",
+           "lora_error"]
 
 log = logging.getLogger("jphoton.server")
 
@@ -56,6 +58,19 @@ log = logging.getLogger("jphoton.server")
 # slowed the engine's steps 4-5% (H200 A/B, docs/decisions.md). lab/probes/frontend_capacity.py, docs/serving.md.
 DEFAULT_MAX_MESSAGE_RATE = 30_000.0
 MAX_PACE = 4
+
+# `jphoton serve`'s frontend processes on a host with at least this many CPUs: 2 (else 1). At 64 streams one event loop
+# cannot write a message per stream per step: new calls queue behind the writes (staggered TTFT p50 20-26 ms against
+# 9.5 with two on an H200; docs/decisions.md "gRPC frontends"), and a second process needs a core of its own.
+TWO_FRONTENDS_MIN_CPUS = 8
+
+
+def default_frontends(cpus: int | None = None) -> int:
+    """`jphoton serve`'s frontend count: 2 where the process may run on TWO_FRONTENDS_MIN_CPUS or more CPUs, else 1."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if cpus >= TWO_FRONTENDS_MIN_CPUS else 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Spawn:

@@ -22,7 +22,7 @@ from jphoton import LLM, SamplingParams
 from server import jphoton_pb2 as pb
 from server import jphoton_pb2_grpc as pb_grpc
 from server.app import serve
-from server.engine_process import Spawn
+from server.engine_process import TWO_FRONTENDS_MIN_CPUS, Spawn, default_frontends
 
 from conftest import ENGINE_ARGS, FIXTURES
 
@@ -30,6 +30,16 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 NEW = 8
 CHANNELS = 16
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # else the channels of a process share one connection
+
+
+def test_jphoton_serve_runs_two_frontends_on_a_host_with_the_cores():
+    """`jphoton serve` without --frontends: one process per event loop, two where the CPUs allow (the CLI's default)."""
+    assert [default_frontends(n) for n in (1, 2, TWO_FRONTENDS_MIN_CPUS - 1, TWO_FRONTENDS_MIN_CPUS, 128)] == [1, 1, 1, 2, 2]
+    assert default_frontends() == default_frontends(len(os.sched_getaffinity(0)))
+    from jphoton.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--model", "x"]).frontends is None  # resolved by default_frontends
+    assert build_parser().parse_args(["serve", "--model", "x", "--frontends", "1"]).frontends == 1
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,6 @@ def traced_child_main(build, links, levels) -> None:
     stamps: dict[str, dict] = {"recv": {}, "admit": {}, "first_out": {}, "first_sent": {}, "done_out": {}, "cpu": {}}
     pending_sent: list[int] = []
     drain_at = [0.0]
-    tel = {"records": []}
     Loop = engine_loop.EngineLoop
     orig_run, orig_drain, orig_admit, orig_output, orig_flush = (Loop.run, Loop._drain, Loop._admit, Loop._output,
                                                                   Loop._flush)
@@ -117,9 +116,8 @@ def traced_child_main(build, links, levels) -> None:
 # ---- the server process (frontend) -----------------------------------------------------------------------------------
 def patch_frontend() -> None:
     import server.engine_process as ep
-    from server import service
-
     from lab.probes import served_legs as me  # pickled by module name for the spawned engine process
+    from server import service
 
     ep.child_main = me.traced_child_main
     stamps: dict[str, dict] = {"entry": {}, "submit": {}, "first_dispatch": {}, "first_yield": {}}
@@ -189,6 +187,19 @@ def patch_frontend() -> None:
 
     threading.Thread(target=every, daemon=True).start()
     atexit.register(dump)
+    if os.environ.get("JPHOTON_LEGS_PROFILE"):  # cProfile of the event loop's thread (this one), printed at exit
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+
+        def report():
+            prof.disable()
+            with open(os.environ[OUT_ENV] + ".frontend.prof.txt", "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(45)
+
+        atexit.register(report)
 
 
 # ---- the summary -----------------------------------------------------------------------------------------------------
@@ -244,7 +255,7 @@ def summarize(prefix: str, result: dict) -> dict:
             legs[name] = pct(xs)
         t_lo, t_hi = st["submit"][run[0]], max(st["done_out"].get(r, 0.0) for r in run)
         in_run = [s for s in steps if t_lo <= s["t_launch"] <= t_hi and s["t_launch"] > 0]
-        periods = [1e3 * (b["t_launch"] - a["t_launch"]) for a, b in zip(in_run, in_run[1:])]
+        periods = [1e3 * (b["t_launch"] - a["t_launch"]) for a, b in zip(in_run, in_run[1:], strict=False)]
         phases = {}
         for name, a, b in (("plan", "t_plan", "t_planned"), ("launch", "t_launch", "t_launched"),
                            ("wait", "t_commit", "t_ready"), ("commit", "t_ready", "t_committed")):
