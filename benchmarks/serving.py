@@ -46,7 +46,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
 from server import jphoton_pb2 as pb  # noqa: E402
 from server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
-from server.engine_process import default_frontends  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -493,6 +492,8 @@ def main(argv=None):
         serve_child(json.loads(args.serve))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when `timeout` stops us
+    from server.engine_process import default_frontends  # (jphoton, jax: not in the spawned client processes)
+
     t0 = time.perf_counter()
     runs = []
     combos = ([(None, None)] if args.connect else
