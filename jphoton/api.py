@@ -253,14 +253,15 @@ class LLM:
             return self.engine.reset_prefix_cache()
 
     # ---- LoRA adapters (engine/loras.py, models/lora.py) -------------------------------------------------------------
-    def load_lora(self, name: str, path: str | os.PathLike, *, timeout: float | None = 60.0) -> dict:
+    def load_lora(self, name: str, path: str | os.PathLike, *, timeout: float | None = 60.0,
+                  allowed_dirs: Seq[str | os.PathLike] | None = None) -> dict:
         """Serve the HF PEFT LoRA adapter in `path` (adapter_config.json + adapter_model.safetensors) as `name`, for
         requests with `SamplingParams(lora=name)`. Loading a name again replaces it: requests already running finish
         on the old weights. Needs `LLM(max_loras=N)`; compiles nothing. If every slot is taken and one is draining (an
         unloaded adapter still used by running requests), waits up to `timeout` seconds for it (the engine keeps
         serving); raises NoFreeLoraSlot otherwise, ValueError for an adapter that does not fit. Returns its entry in
-        `list_loras()`."""
-        adapter = self.read_lora(path)
+        `list_loras()`. allowed_dirs: as for `read_lora`."""
+        adapter = self.read_lora(path, allowed_dirs=allowed_dirs)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -271,12 +272,17 @@ class LLM:
             # a slot frees when its requests are released: run the engine meanwhile (or wait for its driver)
             self._run_until(lambda: not self.engine.has_work() or any(s.free for s in self.engine.loras.slots))
 
-    def read_lora(self, path: str | os.PathLike):
+    def read_lora(self, path: str | os.PathLike, *, allowed_dirs: Seq[str | os.PathLike] | None = None):
         """Read and check a PEFT adapter for this model (no engine state touched; safe from any thread). ValueError
-        names what does not fit; LoRA must be on (`max_loras`)."""
+        names what does not fit (weights that are not finite in the engine's dtype included); LoRA must be on
+        (`max_loras`). allowed_dirs: open no file outside these directories (symlinks resolved; a relative path is
+        taken under the first), with one message for any path that is not an adapter there (what the server's
+        `--lora-dir` uses, weights/peft.py)."""
         if not self.engine.loras.slots:
             raise ValueError("LoRA is off for this engine: create it with LLM(..., max_loras=N)")
-        return load_peft_adapter(path, self.config, self.engine_config.max_lora_rank)
+        dtype = jax.tree_util.tree_leaves(self.engine.runner.lora_weights)[0].dtype  # (the params' dtype)
+        return load_peft_adapter(path, self.config, self.engine_config.max_lora_rank, allowed_dirs=allowed_dirs,
+                                 max_abs=float(jax.numpy.finfo(dtype).max))
 
     def install_lora(self, name: str, adapter) -> dict:
         """Put an adapter from `read_lora` into a free slot as `name`, now (never waits): NoFreeLoraSlot if none is

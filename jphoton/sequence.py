@@ -46,7 +46,8 @@ class Sequence:
                  "_stop_ids", "stop_ids", "max_new_tokens", "_detok", "text", "_emitted", "_holdback", "status",
                  "block_table", "page_keys", "pages_cached", "num_computed", "prefill_target", "inflight_refs",
                  "pending_samples", "sample_flags", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
-                 "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores")
+                 "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores",
+                 "poisoned")
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
                  eos_token_ids: tuple[int, ...], max_model_len: int, seed: int):
@@ -89,6 +90,7 @@ class Sequence:
         self.share_from: tuple[Sequence, int] | None = None  # (leader, tokens of its full prompt pages to map)
         self.choice_index: int | None = None
         self.choice_scores: list[float] | None = None
+        self.poisoned = False  # its logits were not finite: its KV pages are never offered to the prefix cache
 
     @property
     def finished(self) -> bool:

@@ -174,7 +174,8 @@ def _adapter_with(tmp_path, **changes):
     (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
     (dict(r=32), "rank 32 exceeds max_lora_rank=16"),
     (dict(target_modules=["q_proj", "embed_tokens"]), "target modules \\['embed_tokens'\\] are not supported"),
-    (dict(peft_type="IA3"), "peft_type 'IA3' is not supported"),
+    (dict(peft_type="IA3"), "peft_type is not LORA"),
+    (dict(target_modules="(a+)+$"), "target_modules as a pattern is not supported"),  # never compiled: no spin
     (dict(r=4), "down_proj: lora_A \\(8, 128\\), lora_B \\(64, 8\\); expected \\(4, 128\\)"),
 ])
 def test_adapters_that_are_not_plain_lora_of_this_model_are_refused(lora_llm, tmp_path, changes, message):
@@ -220,3 +221,102 @@ def test_cli_generate_with_an_adapter_prints_what_the_api_returns(lora_llm, caps
     assert "is not a directory" in capsys.readouterr().err
     assert main(["serve", "--model", str(BASE), "--max-loras", "0", "--lora", f"a={ADAPTERS / 'a'}"]) == 2
     assert "1 --lora adapters but --max-loras 0" in capsys.readouterr().err
+
+
+# ---- hostile adapters: one tenant's adapter never reaches another's rows ------------------------------------------
+def _poisoned_adapter(lora_llm, value):
+    """Adapter "a" with every weight set to `value`, read past the load checks (as if they had a hole)."""
+    adapter = lora_llm.read_lora(ADAPTERS / "a")
+    for la, lb in adapter.weights.values():
+        la[:] = value
+        lb[:] = value
+    return adapter
+
+
+def _write_adapter(tmp_path, value):
+    from safetensors.numpy import load_file, save_file
+
+    out = _adapter_with(tmp_path)
+    tensors = load_file(out / "adapter_model.safetensors")
+    first = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[first] = tensors[first].copy()
+    tensors[first].flat[3] = value
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 3e38])
+def test_an_adapter_whose_weights_are_not_finite_in_the_engine_dtype_is_refused_at_load(lora_llm, tmp_path, value):
+    # 3e38 is finite in float32, but times the scaling (lora_alpha / r = 2 for this adapter) it is not
+    with pytest.raises(ValueError, match="not finite|exceeds 3.4"):
+        lora_llm.load_lora("bad", _write_adapter(tmp_path, value))
+    assert "bad" not in {e["name"] for e in lora_llm.list_loras()}
+
+
+@pytest.mark.parametrize("value", [np.nan, 1e30])  # NaN weights; finite weights whose products overflow to inf
+def test_a_poisoned_adapter_leaves_base_rows_and_other_adapters_exact_and_poisons_no_cached_page(lora_llm, value):
+    prompts, want = _reference()
+    pages = lora_llm.engine.pages
+    lora_llm.unload_lora("c")
+    lora_llm.install_lora("bad", _poisoned_adapter(lora_llm, value))
+    try:
+        # one batch: base rows, a good adapter and the bad one side by side (the same prompt as a base row, too)
+        batch = [(prompts[0], None), (prompts[1], "bad"), (prompts[2], "a"), (prompts[1], None), (prompts[3], "bad")]
+        out = lora_llm.generate([{"prompt_token_ids": p} for p, _ in batch], [_greedy(name) for _, name in batch])
+        assert out[0].token_ids == want["base"][0] and out[3].token_ids == want["base"][1]
+        if np.isfinite(value):  # (NaN weights are refused at load; had they been written, B's NaN rows would reach
+            assert out[2].token_ids == want["a"][2]  # other adapters' rows through 0 * NaN, but never a base row's)
+        for o in (out[1], out[4]):  # the adapter's own rows end with an error, not silent token-0 output
+            assert o.finish_reason == "error" and "not finite" in o.error, (o.finish_reason, o.error)
+        bad_key = next(s.key for s in lora_llm.engine.loras.slots if s.name == "bad")
+        assert not [k for k in pages._page_of if k[2] == bad_key], "a poisoned page is in the prefix cache"
+        # its freed pages (NaN KV) are handed out again: the next requests must not read what is left in them
+        again = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
+        assert [o.token_ids for o in again] == want["base"]
+        assert lora_llm.generate({"prompt_token_ids": prompts[1]}, _greedy("bad"))[0].finish_reason == "error"
+    finally:
+        lora_llm.unload_lora("bad")
+        lora_llm.load_lora("c", ADAPTERS / "c")
+    assert [o.token_ids for o in lora_llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy("c"))] \
+        == want["c"]
+
+
+def test_a_config_that_is_too_big_is_refused_before_it_is_parsed(lora_llm, tmp_path):
+    out = _adapter_with(tmp_path)
+    (out / "adapter_config.json").write_text(json.dumps({"r": 8, "pad": "x" * 100_000}))
+    with pytest.raises(ValueError, match="adapter_config.json is over 65536 bytes"):
+        lora_llm.read_lora(out)
+
+
+def test_target_modules_are_matched_literally(lora_llm, tmp_path):
+    assert lora_llm.read_lora(_adapter_with(tmp_path, target_modules="all-linear")).rank == 8
+    with pytest.raises(ValueError, match="as a pattern is not supported"):
+        lora_llm.read_lora(_adapter_with(tmp_path / "x", target_modules=".*_proj"))
+
+
+def test_allowed_dirs_refuse_every_path_outside_with_one_message(lora_llm, tmp_path):
+    from jphoton.weights.peft import ADAPTER_PATH_REFUSED
+
+    allowed = tmp_path / "loras"
+    allowed.mkdir()
+    shutil.copytree(ADAPTERS / "a", allowed / "a")
+    outside = tmp_path / "outside"
+    shutil.copytree(ADAPTERS / "a", outside)
+    (allowed / "link_out").symlink_to(outside)
+    (allowed / "afile").write_text("x")
+    sneaky = allowed / "sneaky"  # inside, but its config is a symlink to a file outside (a secret, say)
+    shutil.copytree(ADAPTERS / "a", sneaky)
+    (tmp_path / "secret.json").write_text(json.dumps({"r": "token-abc123"}))
+    (sneaky / "adapter_config.json").unlink()
+    (sneaky / "adapter_config.json").symlink_to(tmp_path / "secret.json")
+    refused = [outside, tmp_path / "missing", allowed / "missing", allowed / "afile", allowed / "link_out",
+               "link_out", "../outside", sneaky, "", "a\0b"]
+    for path in refused:
+        with pytest.raises(ValueError) as e:
+            lora_llm.read_lora(path, allowed_dirs=[allowed])
+        assert str(e.value) == ADAPTER_PATH_REFUSED, (path, str(e.value))
+    with pytest.raises(ValueError, match=f"^{ADAPTER_PATH_REFUSED[:30]}"):
+        lora_llm.read_lora(allowed / "a", allowed_dirs=[])  # no directory allowed: nothing is
+    ok = lora_llm.read_lora("a", allowed_dirs=[allowed])  # relative: under the first allowed directory
+    assert ok.rank == 8 and ok.source == "a"
+    assert lora_llm.read_lora(allowed / "a", allowed_dirs=[tmp_path / "elsewhere", allowed]).rank == 8

@@ -19,6 +19,13 @@ def token_slots(block_table: jax.Array, positions: jax.Array, page_size: int) ->
     return page * page_size + positions % page_size
 
 
+def _own_values(v: jax.Array, k_pos: jax.Array, ctx_len: jax.Array) -> jax.Array:
+    """v [R, C, Hkv, hd] with the slots past each row's context zeroed. They hold whatever the page held before (another
+    request's values, possibly NaN after a model overflowed): their weight is 0, but 0 * NaN is NaN, so they are
+    selected away rather than trusted to be finite (the Pallas kernels load them masked, as zeros)."""
+    return jnp.where((k_pos[None, :] < ctx_len[:, None])[:, :, None, None], v, 0)
+
+
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, block_table: jax.Array,
                     q_pos: jax.Array, ctx_len: jax.Array, *, page_size: int, pages_per_block: int,
                     sliding_window: int | None = None) -> jax.Array:
@@ -36,8 +43,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
         pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_block, pages_per_block, axis=1)
         slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(R, C)
         k = k_pool[layer, slots].astype(jnp.float32)  # [R, C, Hkv, hd]
-        v = v_pool[layer, slots].astype(jnp.float32)
         k_pos = j * C + jnp.arange(C)
+        v = _own_values(v_pool[layer, slots].astype(jnp.float32), k_pos, ctx_len)
         visible = (k_pos[None, None, :] < ctx_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
         if sliding_window is not None:
             visible &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
@@ -68,8 +75,8 @@ def paged_attention_static(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     pages = block_table[:, :num_pages]
     slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(R, num_pages * page_size)
     k = k_pool[layer, slots]  # [R, C, Hkv, hd]
-    v = v_pool[layer, slots]
     k_pos = jnp.arange(num_pages * page_size)
+    v = _own_values(v_pool[layer, slots], k_pos, ctx_len)
     visible = (k_pos[None, None, :] < ctx_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
         visible &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window

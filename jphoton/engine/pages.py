@@ -123,6 +123,16 @@ class PagePool:
                 self._page_of[key] = p
                 self._key_of[p] = key
 
+    def uncache(self, pages: list[int]) -> None:
+        """Take `pages` out of the prefix cache (their KV must never be served again); their owners keep them."""
+        for p in pages:
+            key = self._key_of.pop(p, None)
+            if key is not None:
+                del self._page_of[key]
+                if self._refs[p] == 0:
+                    del self._evictable[p]
+                    self._free.append(p)
+
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 

@@ -45,7 +45,7 @@ from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
 from jphoton.engine.runner import Runner
 from jphoton.engine.scheduler import CONSTRAINED, LOGPROBS, Scheduler, StepPlan
-from jphoton.engine.slots import DecodeSlot, PlannedStep, StepResult
+from jphoton.engine.slots import NONFINITE, NONFINITE_ERROR, DecodeSlot, PlannedStep, StepResult
 from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import RequestOutput, Sequence
 
@@ -269,7 +269,8 @@ class Engine:
         rec.t_advanced = now()
         outputs: list[RequestOutput] = []
         tokens = result.tokens
-        plain = not verdicts and result.logprobs is None
+        n_decode = len(plan.decode.seqs)
+        plain = not verdicts and result.logprobs is None and (not n_decode or min(tokens[:n_decode]) >= 0)
         for out_row, seq in enumerate(plan.decode.seqs):  # decode rows: one sample each, at their own output row
             seq.inflight_refs -= 1
             seq.pending_samples -= 1
@@ -287,6 +288,8 @@ class Engine:
                 seq.pending_samples -= 1
                 if seq.finish_reason is None:
                     self._commit_sample(seq, row.out_row, tokens[row.out_row], result, verdicts, outputs)
+            elif tokens[row.out_row] == NONFINITE and seq.finish_reason is None:  # a chunk's KV is poisoned already
+                self._fail(seq, NONFINITE_ERROR, outputs, poisoned=True)
             if seq.finish_reason is not None and not seq.inflight_refs:
                 self._maybe_release(seq)
         rec.t_committed = now()
@@ -296,15 +299,13 @@ class Engine:
     def _commit_sample(self, seq: Sequence, out_row: int, token: int, result: StepResult,
                        verdicts: dict[int, GrammarVerdict], outputs: list[RequestOutput]) -> None:
         """Append a row's sampled token to its live sequence (grammar verdict, logprobs, choice branches)."""
+        if token == NONFINITE:
+            self._fail(seq, NONFINITE_ERROR, outputs, poisoned=True)
+            return
         verdict = verdicts.get(out_row, ACCEPTED) if verdicts else ACCEPTED
         if not verdict.accepted:  # cannot happen with a correct mask; end this request only
             log.error("request %d: grammar rejected token %d: %s", seq.request_id, token, verdict.error)
-            delta = seq.finish("error", f"the grammar rejected token {token}: {verdict.error}")
-            if seq.choice_group is None:
-                outputs.append(seq.output(delta))
-            else:
-                self._branch_done(seq, outputs)
-            self._maybe_release(seq)
+            self._fail(seq, f"the grammar rejected token {token}: {verdict.error}", outputs)
             return
         delta = seq.append(token, grammar_done=verdict.done)
         lp = None
@@ -319,6 +320,19 @@ class Engine:
         elif seq.finished:
             self._branch_done(seq, outputs)
 
+    def _fail(self, seq: Sequence, error: str, outputs: list[RequestOutput], poisoned: bool = False) -> None:
+        """End one request with finish_reason "error" (the others in the step go on). poisoned (its logits were not
+        finite): its KV pages, and any it put in the prefix cache, are never served again."""
+        if poisoned:
+            log.error("request %d: %s", seq.request_id, error)
+            self.scheduler.poison(seq)
+        delta = seq.finish("error", error)
+        if seq.choice_group is None:
+            outputs.append(seq.output(delta))
+        else:
+            self._branch_done(seq, outputs)
+        self._maybe_release(seq)
+
     def _advance_grammar(self, plan: StepPlan, result: StepResult) -> dict[int, GrammarVerdict]:
         """Feed every live grammar row its committed token: {output row: verdict}."""
         verdicts = {}
@@ -328,11 +342,13 @@ class Engine:
             c = r.seq.constraint
             if c is None or not r.samples or r.seq.finalized:
                 continue
+            token = tokens[r.out_row]
+            if token == NONFINITE:  # (the commit ends this request; its matcher never sees the marker)
+                continue
             device = c.device
             if device is None:
                 on_host.append(r)
                 continue
-            token = tokens[r.out_row]
             if not device.advance(token):
                 verdicts[r.out_row] = GrammarVerdict(False, True, device.error_text)
             elif device.done_after(token):

@@ -471,9 +471,15 @@ class Scheduler:
         s.block_table += self.pages.allocate(need)
         return True
 
+    def poison(self, s: Sequence) -> None:
+        """s's logits were not finite, so the KV it wrote may be too: its pages leave the prefix cache now (a request
+        that already mapped one attends over it and is caught the same way) and are never offered to it again."""
+        s.poisoned = True
+        self.pages.uncache(s.block_table)
+
     def _release_pages(self, s: Sequence) -> None:
         """Drop s's block table; the full pages its launched steps wrote stay cached (prefix caching) until evicted."""
-        if self.pages.prefix_caching:
+        if self.pages.prefix_caching and not s.poisoned:
             self._cache_written_pages(s, s.num_computed)
         self.pages.release(s.block_table)
         s.block_table = []

@@ -12,6 +12,12 @@ import numpy as np
 from jphoton.engine.scheduler import StepPlan, StepShape
 from jphoton.engine.telemetry import StepRecord
 
+# The token a step writes for a row whose logits are not finite (engine/step.py mark_nonfinite): the commit ends that
+# request with an error and keeps its pages out of the prefix cache.
+NONFINITE = -1
+NONFINITE_ERROR = ("the model's logits were not finite (NaN or inf) for this request: its weights or LoRA adapter "
+                   "overflowed on this input")
+
 
 class SamplerVariant(NamedTuple):
     """Which compiled second sampler a step needs (each variant is compiled at warm-up)."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
 from jphoton.engine.scheduler import StepShape
+from jphoton.engine.slots import NONFINITE
 from jphoton.models.lora import LoraInputs
 from jphoton.sampling import sample, sample_plain, top_logprobs
 
@@ -200,11 +201,23 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             out_states = jax.lax.dynamic_update_slice(out_states, new_state, (0,))
     else:
         tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"], tp=tp)
+    tokens_out = mark_nonfinite(tokens_out, full if filtered else logits, None if filtered else tp)
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
     if filtered and automaton is not None:
         return out_tokens, out_logits, kv, out_states
     return out_tokens, out_logits, kv
+
+
+def mark_nonfinite(tokens: jax.Array, logits: jax.Array, tp=None) -> jax.Array:
+    """tokens [R] with NONFINITE where a row's logits [R, V] hold a NaN or +inf (or are all -inf): the model overflowed
+    on that row (an adapter's weights, a bad input), and a sampler would turn it into some arbitrary token, silently.
+    One max over the logits (NaN propagates through it). tp: the logits are this shard's columns; the flag is summed
+    over the shards so that every shard writes the same tokens."""
+    bad = ~jnp.isfinite(jnp.max(logits, axis=-1))
+    if tp is not None:
+        bad = tp.psum(bad.astype(jnp.int32)) > 0
+    return jnp.where(bad, NONFINITE, tokens)
 
 
 SAMPLER_ROW_FIELDS = 7  # per-row words of the second sampler's input
@@ -235,10 +248,10 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     scores = logits
     if masked:
         scores = jnp.where(unpack_bitmask(inputs[:R * W].reshape(R, W), V), logits, -jnp.inf)
-    if filtered:
-        tokens = sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5])
-    elif masked:
-        tokens = sample_plain(scores, temperature, key, rows[:, 5])
+    if filtered or masked:  # (a row the step marked NONFINITE stays marked)
+        fresh = (sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5]) if filtered
+                 else sample_plain(scores, temperature, key, rows[:, 5]))
+        tokens = jnp.where(tokens == NONFINITE, NONFINITE, fresh)
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
     if carrier.size:

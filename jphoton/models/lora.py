@@ -12,7 +12,7 @@ A group with n targets keeps, per layer, A [in, S*n*R] (column slot*n*R + t*R + 
 t) and B [S*n*R, out] (block-diagonal per target: row slot*n*R + t*R + r holds lora_B column r, times the adapter's
 scaling, under target t's output columns). A step then adds, to the group's product,
 
-    delta = ((x @ A) * onehot) @ B        onehot[row, c] = 1 where column c belongs to the row's slot
+    delta = ((x @ A) where onehot) @ B    onehot[row, c] = 1 where column c belongs to the row's slot
 
 two dense GEMMs over every slot at once: each adapter's weights are read once a step however many rows use it (a
 per-row gather would read them once per row), and the slot is data, so loading or unloading an adapter never
@@ -200,17 +200,21 @@ def group_width(group: str, rank: int) -> int:
 
 
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
-    """The group's LoRA update for rows x [..., in]: ((x @ A) * mask) @ B, [..., out]."""
+    """The group's LoRA update for rows x [..., in]: ((x @ A) where mask) @ B (`expand`), [..., out]."""
     shrunk = jnp.dot(x.reshape(-1, x.shape[-1]), a, preferred_element_type=jnp.float32)
     return expand(shrunk, b, mask, x.dtype).reshape(*x.shape[:-1], b.shape[-1])
 
 
 def expand(shrunk: jax.Array, b: jax.Array, mask: jax.Array, dtype) -> jax.Array:
-    """(shrunk [..., C] * mask) @ B [C, out] in `dtype` (fp32 accumulation): the update from a shrink computed
-    elsewhere (an `INLINE` group's extra columns of the base product)."""
+    """(shrunk [..., C] where mask, else 0) @ B [C, out] in `dtype` (fp32 accumulation): the update from a shrink computed
+    elsewhere (an `INLINE` group's extra columns of the base product). Isolation: the mask *selects* (a NaN or inf
+    in another slot's columns is never multiplied by 0 into this row), and a row whose mask keeps no column (no
+    adapter) gets exactly 0, whatever B holds, so its product is the base model's bit for bit."""
     lead = shrunk.shape[:-1]
-    s2 = shrunk.reshape(-1, shrunk.shape[-1]).astype(jnp.float32) * mask
-    out = jnp.dot(s2.astype(dtype), b, preferred_element_type=jnp.float32).astype(dtype)
+    keep = mask != 0
+    s2 = jnp.where(keep, shrunk.reshape(-1, shrunk.shape[-1]).astype(jnp.float32), 0.0)
+    out = jnp.dot(s2.astype(dtype), b, preferred_element_type=jnp.float32)
+    out = jnp.where(jnp.any(keep, axis=-1, keepdims=True), out, 0.0).astype(dtype)
     return out.reshape(*lead, b.shape[-1])
 
 

@@ -136,7 +136,7 @@ class PlainMatmul:
 
     def lora_expand(self, y: jax.Array, shrunk: jax.Array, b: jax.Array, token_slots: jax.Array,
                     width: int) -> jax.Array:
-        """y + ((shrunk * onehot) @ b): the update of a group whose shrink the base product computed (models/lora.py
+        """y + ((shrunk where onehot) @ b): the update of a group whose shrink the base product computed (models/lora.py
         INLINE)."""
         from jphoton.models import lora
 
