@@ -111,7 +111,9 @@ class ChoiceGroup:
     def finish(self) -> tuple[Delta, list | None]:
         """Finalize the parent with the chosen option (every branch must be finalized): (delta, logprobs)."""
         parent = self.parent
-        failed = next((b for b in self.branches if b.finish_reason not in ("stop", "length")), None)
+        # the branch that failed first (an error; the others were aborted because of it), else an aborted one
+        failed = next((b for b in self.branches if b.finish_reason == "error"), None) or next(
+            (b for b in self.branches if b.finish_reason not in ("stop", "length")), None)
         if failed is not None:
             return parent.finish(failed.finish_reason, failed.error), None
         scores = self.scores()
