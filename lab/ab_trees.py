@@ -25,10 +25,10 @@ CASES = {"b1-ctx512": (1, 512), "b32": (32, 128)}  # name -> (requests, prompt t
 # Opt-in (--cases), on an engine of their own with the 8k context: B=64 decode, and one 6,000-token prompt's prefill
 # (ms_step = the prefill's wall ms, median of 3; "device" = the same).
 LONG_CASES = {"b64": (64, 128), "prefill6k": (1, 6000)}
-NEW_TOKENS = 256
+NEW_TOKENS = 256  # --new-tokens' default
 
 
-def child(model: str, case_names: list[str]) -> dict:
+def child(model: str, case_names: list[str], new_tokens: int = NEW_TOKENS) -> dict:
     """Runs inside the tree under test."""
     from jphoton import LLM
 
@@ -38,14 +38,14 @@ def child(model: str, case_names: list[str]) -> dict:
         llm = LLM(model, pipeline_depth=2, max_model_len=1024, max_num_seqs=32,
                   decode_buckets=(1, 32), prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
                   num_kv_pages=33 * 64 + 8, warmup=False, progress=False)
-        out.update(_decode_cases(llm, short, CASES))
+        out.update(_decode_cases(llm, short, CASES, new_tokens))
         del llm
     long = [c for c in case_names if c in LONG_CASES]
     if long:
         llm = LLM(model, pipeline_depth=2, max_model_len=8192, max_num_seqs=64, decode_buckets=(1, 64),
                   prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 64,
                   num_kv_pages=64 * 24 + 400, warmup=False, progress=False)
-        out.update(_decode_cases(llm, [c for c in long if c != "prefill6k"], LONG_CASES))
+        out.update(_decode_cases(llm, [c for c in long if c != "prefill6k"], LONG_CASES, new_tokens))
         if "prefill6k" in long:
             out["prefill6k"] = _prefill_case(llm, LONG_CASES["prefill6k"][1])
     return out
@@ -71,7 +71,7 @@ def _prefill_case(llm, prompt_len: int) -> dict:
             "device_step_ms": ms, "tick_over_device_step": 1.0}
 
 
-def _decode_cases(llm, case_names: list[str], cases: dict) -> dict:
+def _decode_cases(llm, case_names: list[str], cases: dict, new_tokens: int = NEW_TOKENS) -> dict:
     import numpy as np
 
     from jphoton import SamplingParams
@@ -82,7 +82,7 @@ def _decode_cases(llm, case_names: list[str], cases: dict) -> dict:
     for name in case_names:
         rows, prompt = cases[name]
         prompts = [{"prompt_token_ids": rng.integers(0, llm.config.vocab_size, prompt).tolist()} for _ in range(rows)]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts, params)  # compiles (or loads) the shapes this case steps through
         periods, decode_recs = [], []
         for _ in range(2):
@@ -101,7 +101,7 @@ def _decode_cases(llm, case_names: list[str], cases: dict) -> dict:
                   "commit": ("t_ready", "t_committed")}
         row["host_ms"] = {k: float(np.median([getattr(r, b) - getattr(r, a) for r in decode_recs])) * 1e3
                           for k, (a, b) in phases.items()}
-        context = prompt + NEW_TOKENS // 2
+        context = prompt + new_tokens // 2
         if hasattr(llm, "device_step_ms"):
             row["device_step_ms"] = llm.device_step_ms(rows, context=context, steps=50)
         else:  # the wave-1 tree: its benchmark helper
@@ -147,11 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *LONG_CASES])
     ap.add_argument("--model", default="random:llama3.2-1b")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.model, args.cases)), flush=True)
+        print("RESULT " + json.dumps(child(args.model, args.cases, args.new_tokens)), flush=True)
         return 0
     trees = dict(t.split("=", 1) for t in args.trees)
     runs = []
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
         for name, path in trees.items():
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(path), os.environ.get("PYTHONPATH", "")])}
             t0 = time.perf_counter()
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases,
+                   "--new-tokens", str(args.new_tokens)]
             proc = subprocess.run(cmd, cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:

@@ -27,7 +27,11 @@ def main() -> None:
                     help="first time the engine alone as that tree's serving benchmark did (prints 'baseline: {...}')")
     args = ap.parse_args()
     from jphoton import LLM  # the tree on PYTHONPATH
-    from server.app import run_until_signal
+
+    try:
+        from jphoton.server.app import run_until_signal  # once the server lives in the package (issue 61)
+    except ImportError:
+        from server.app import run_until_signal
 
     page = 16
     max_len = -(-(args.prompt_len + args.new_tokens) // page) * page

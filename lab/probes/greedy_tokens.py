@@ -22,13 +22,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
+    from benchmarks.llm_args import add_llm_args, parse_llm_args
+
+    add_llm_args(ap)
     args = ap.parse_args()
     from jphoton import LLM, SamplingParams
 
     c = args.concurrency
-    llm = LLM(args.model, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
-              prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
-              max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False)
+    llm = LLM(args.model, **{"max_model_len": 1024, "max_num_seqs": c, "decode_buckets": (c,),
+                             "prefill_buckets": ((1, args.prompt_len), (4, args.prompt_len)),
+                             "max_num_batched_tokens": c + 4 * args.prompt_len, "warmup": "full", "progress": False,
+                             **parse_llm_args(args.llm_args)})
     rng = random.Random(3)
     vocab = llm.config.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randrange(8, args.prompt_len))]}

@@ -1,7 +1,7 @@
 """Where the pipelined loop loses time under staggered arrivals (issue 23): the engine alone at depth 2 delivered
-0.79-0.82x of its static batch at C=32 while the mixed steps' device time predicts ~0.88 (mixed_shapes.py).
+0.79-0.82x of its static batch at C=32 while the mixed steps' device time predicts ~0.88 (docs/decisions.md).
 
-One engine (buckets narrowed to the run, as mixed_step_cost.py), C static rows, then C closed-loop clients with
+One engine (buckets narrowed to the run, or --default-engine), C static rows, then C closed-loop clients with
 staggered starts (benchmarks/serving.py engine_staggered). For each step in the measured window, from the engine's
 telemetry: host phases (plan, launch, commit work after the tokens landed), the commit's wait for the device, and the
 launch-to-launch period; summarised by step kind and, under staggered arrivals, by whether a request arrived or
@@ -171,9 +171,10 @@ def main() -> None:
         if args.default_engine:
             llm = default_llm(args.model, pipeline_depth=depth, progress=False, **extra)
         else:
-            llm = LLM(args.model, pipeline_depth=depth, max_model_len=1024, max_num_seqs=c, decode_buckets=(c,),
-                      prefill_buckets=((1, args.prompt_len), (4, args.prompt_len)),
-                      max_num_batched_tokens=c + 4 * args.prompt_len, warmup="full", progress=False, **extra)
+            llm = LLM(args.model, **{"pipeline_depth": depth, "max_model_len": 1024, "max_num_seqs": c,
+                                     "decode_buckets": (c,), "prefill_buckets": ((1, args.prompt_len), (4, args.prompt_len)),
+                                     "max_num_batched_tokens": c + 4 * args.prompt_len, "warmup": "full",
+                                     "progress": False, **extra})
         if args.pin is not None:  # (threads jax started already keep every CPU)
             import os
 

@@ -4,7 +4,7 @@
 
 Prints, per thread (top 12 by CPU time): its name, CPU seconds, % of the sampled wall time, the CPUs it was seen on;
 and how often a busy thread (>50% in a sample) was seen on the hyperthread sibling of the main thread's CPU. Why:
-the engine's Python runs at about half its no-device speed in the live loop (docs/lab-log.md, 2026-11-28); a runtime
+the engine's Python runs at about half its no-device speed in the live loop (docs/decisions.md, 2026-11-28); a runtime
 thread spinning on the main thread's core sibling would do that."""
 
 from __future__ import annotations
