@@ -287,8 +287,8 @@ class LLM:
     def install_lora(self, name: str, adapter) -> dict:
         """Put an adapter from `read_lora` into a free slot as `name`, now (never waits): NoFreeLoraSlot if none is
         free. Returns its entry in `list_loras()`."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a LoRA adapter name is a non-empty string, got {short(name)}")
+        if not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable():  # (ListLoras echoes it)
+            raise ValueError(f"a LoRA adapter name is 1 to 128 printable characters, got {short(name)}")
         with self._engine_lock:
             self.engine.load_lora(name, adapter)
             return next(e for e in self.engine.loras.listing() if e["name"] == name)
