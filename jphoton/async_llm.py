@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -122,6 +123,7 @@ class AsyncLLM:
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self._error: BaseException | None = None
+        self.ticked_at = time.monotonic()  # the engine thread's last pass (idle passes included: every 50 ms)
         self._preparer = Preparer(on_done=self._wake.set)
         start_serving(llm, warm_grammar=False)  # (warmed on the engine thread: this runs on the caller's event loop)
         self._text_limits = llm.text_limits()
@@ -184,6 +186,11 @@ class AsyncLLM:
         return model_info(self.llm)
 
     @property
+    def error(self) -> str | None:
+        """Why the engine thread is gone (None while it runs)."""
+        return None if self._error is None else f"engine loop died: {self._error!r}"
+
+    @property
     def text_limits(self) -> dict:
         """LLM.text_limits(): the server refuses oversized text before it is prepared."""
         return self._text_limits
@@ -202,6 +209,7 @@ class AsyncLLM:
         try:
             llm.grammar.warm()  # here, not in __init__: that runs on the server's event loop, which answers health checks
             while not self._stop:
+                self.ticked_at = time.monotonic()
                 with llm._engine_lock:
                     self._add_prepared()
                     self._drain_commands()

@@ -67,6 +67,12 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _directory(text: str) -> str:
+    if not pathlib.Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
 def _lora_flag(text: str) -> tuple[str, str]:
     """--lora NAME=PATH -> (name, path); the path must be a directory (checked before the model loads)."""
     name, sep, path = text.partition("=")
@@ -85,6 +91,9 @@ def _add_lora_args(p: argparse.ArgumentParser, serve: bool) -> None:
     if serve:
         p.add_argument("--max-loras", type=_int_in(0), default=None,
                        help="LoRA adapter slots (default: the number of --lora flags; 0 = LoRA off)")
+        p.add_argument("--lora-dir", dest="lora_dirs", action="append", type=_directory, default=[], metavar="DIR",
+                       help="LoadLora may load adapters from directories inside DIR (repeat for several; a relative "
+                            "path is taken under the first; symlinks are resolved). None: LoadLora is refused")
     p.add_argument("--max-lora-rank", type=_int_in(1), default=16, help="largest adapter rank the slots hold")
     p.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, metavar="N",
                    help="shard the model over N local devices (docs/tensor-parallel.md)")
@@ -207,8 +216,8 @@ def _cmd_serve(args) -> int:
         # the frontends' request metrics are summed through files (server/metrics.py): set before the import
         metrics_dir = tempfile.mkdtemp(prefix="jphoton-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from server.app import LOADER_THREAD, run_until_signal
-    from server.engine_process import Spawn
+    from server.app import ENGINE_FAILED_EXIT, LOADER_THREAD, run_until_signal
+    from server.engine_process import EngineDied, Spawn
 
     # The default warm-up: health turns SERVING once a first request's shapes are compiled; the rest compile in the
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
@@ -225,13 +234,23 @@ def _cmd_serve(args) -> int:
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
                                      grace=args.grace, frontends=frontends,
-                                     max_message_rate=args.max_message_rate))
+                                     max_message_rate=args.max_message_rate, tick_timeout=args.tick_timeout,
+                                     lora_dirs=tuple(args.lora_dirs)))
+    except EngineDied as e:  # died or stalled (serving, or while it loaded): for a supervisor to restart us
+        print(f"jphoton: error: {e}", file=sys.stderr)
+        died = True
     except OSError as e:  # the port is taken or the address is not ours
         print(f"jphoton: error: {e}", file=sys.stderr)
         return 2
+    else:
+        died = False
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+    if died:  # not a normal exit: a loader or reader thread may still be in a wait
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ENGINE_FAILED_EXIT)
     if any(t.name == LOADER_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped while the model was still loading: leave without finalizing the interpreter, which would unwind the
         # loader thread inside XLA and abort the process ("terminate called ...", exit -6).
@@ -306,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "message each (keeps the event loop, and so TTFT, ahead under load); 0: every step")
     s.add_argument("--grace", type=_non_negative, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight streams finish before cancelling them")
+    s.add_argument("--tick-timeout", type=_non_negative, default=60.0,  # server.engine_process.DEFAULT_TICK_TIMEOUT
+                   help="seconds without a sign of life from the engine process (it sends one every 0.5 s, idle or "
+                        "not) after which it counts as stuck: killed, every call UNAVAILABLE, and the server exits "
+                        "with status 3, as when the engine process dies (0: never)")
     _add_lora_args(s, serve=True)
     limits = Limits()
     for name, help_text in _LIMIT_FLAGS.items():  # per request, checked at submission (EngineConfig.limits)

@@ -3,7 +3,10 @@
 Life cycle: the port opens first with health NOT_SERVING (load balancers and `grpc_health_probe` see the process but
 send nothing), the model is loaded and warmed up (every step shape compiled) in a worker thread, then health turns
 SERVING. Shutdown is the reverse: health NOT_SERVING, new calls refused, in-flight streams drained for a grace period
-(then cancelled), the engine loop stopped.
+(then cancelled), the engine loop stopped. An engine that dies or stalls (server/engine_process.py's watchdog; the
+in-process engine thread: `_watch_in_process`) turns health NOT_SERVING at once and every call UNAVAILABLE;
+`jphoton serve` (`run_until_signal`, and each frontend process) then exits with ENGINE_FAILED_EXIT, so that a process
+supervisor restarts it.
 
 Two ways in: `await Server(...).start()` on your own event loop (what `jphoton serve` does), or `serve(...)`, which
 runs the server on a background thread and returns a handle (tests, benchmarks, notebooks).
@@ -25,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.engine_loop import exit_with_parent
-from server.engine_process import DEFAULT_MAX_MESSAGE_RATE, EngineLink, EngineProcess, Spawn
+from server.engine_process import DEFAULT_MAX_MESSAGE_RATE, DEFAULT_TICK_TIMEOUT, EngineDied, EngineLink, EngineProcess, Spawn
 from server.metrics import Metrics
 from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
 
@@ -35,6 +38,8 @@ DEFAULT_PORT = 50051
 DEFAULT_MAX_QUEUE = 512
 # A prompt of a whole 128k context is ~0.5 MiB as text or packed token ids; anything far bigger is a mistake.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
+ENGINE_FAILED_EXIT = 3  # `jphoton serve`'s exit status when its engine died or stalled (docs/serving.md)
+FAILED_GRACE_S = 1.0  # draining once the engine is gone: every stream has ended already
 
 
 class Server:
@@ -43,14 +48,19 @@ class Server:
     frontends: serve a `Spawn` from this many processes, each with its own event loop, all on one port (SO_REUSEPORT:
     the kernel spreads connections over them) and each with its own pipe pair to the one engine process; this one
     starts and stops the others (docs/serving.md). max_queue is split evenly among them. reuse_port: bind the port
-    shared (set for the frontends after the first)."""
+    shared (set for the frontends after the first). tick_timeout: seconds of silence from the engine (its process, or
+    the in-process engine thread) after which it counts as stalled (0: never). lora_dirs: the directories LoadLora may
+    load adapters from (none: LoadLora is refused)."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue: int = DEFAULT_MAX_QUEUE,
                  metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  frontends: int = 1, reuse_port: bool = False, frontend_index: int = 0,
-                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE):
+                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE, tick_timeout: float = DEFAULT_TICK_TIMEOUT,
+                 lora_dirs=()):
         if frontends < 1:
             raise ValueError(f"frontends must be >= 1, got {frontends}")
+        if not tick_timeout >= 0:
+            raise ValueError(f"tick_timeout must be >= 0, got {tick_timeout}")
         if frontends > 1 and metrics_port is not None and not Metrics.multiprocess():
             raise ValueError("Prometheus metrics with several frontends need PROMETHEUS_MULTIPROC_DIR set before "
                              "prometheus_client is imported (`jphoton serve` does this)")
@@ -67,9 +77,13 @@ class Server:
         self.metrics_port: int | None = None
         self.max_queue = max_queue
         self.admission = Admission(-(-max_queue // frontends))
-        self.servicer = EngineServicer(self.admission, self.metrics)
+        self.lora_dirs = tuple(str(d) for d in lora_dirs)
+        self.servicer = EngineServicer(self.admission, self.metrics, lora_dirs=self.lora_dirs)
         self.max_message_bytes = max_message_bytes
         self.max_message_rate = max_message_rate
+        self.tick_timeout = tick_timeout
+        self.engine_failed: asyncio.Future | None = None  # set to why, once the engine died or stalled (start())
+        self._watchdog: asyncio.Task | None = None
         self.health: health.aio.HealthServicer | None = None  # grpc.aio objects are made on the serving loop, in start()
         self._grpc: grpc.aio.Server | None = None
         self._engine_process: EngineProcess | None = None
@@ -82,6 +96,7 @@ class Server:
     async def start(self) -> int:
         """Open the port (health NOT_SERVING until load()); returns the bound port (port 0 picks a free one)."""
         self.health = health.aio.HealthServicer()
+        self.engine_failed = asyncio.get_running_loop().create_future()
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
@@ -121,10 +136,11 @@ class Server:
             raise ValueError("several frontends need the engine in a process of its own (a Spawn)")
         if isinstance(model, (Spawn, EngineLink)):
             if isinstance(model, Spawn):
-                llm = EngineProcess(model, frontends=self.frontends, max_message_rate=self.max_message_rate)
+                llm = EngineProcess(model, frontends=self.frontends, max_message_rate=self.max_message_rate,
+                                    tick_timeout=self.tick_timeout)
                 self._start_frontends(llm.links)
             else:
-                llm = EngineProcess(link=model, max_message_rate=self.max_message_rate)
+                llm = EngineProcess(link=model, max_message_rate=self.max_message_rate, tick_timeout=self.tick_timeout)
             self._engine_process = llm
             await _in_daemon_thread(llm.start)
             # SERVING once every frontend serves: the port is shared, so a call right after it may reach any of them
@@ -136,6 +152,11 @@ class Server:
         if self._stopped:
             return
         self.servicer.attach(llm)
+        if self._engine_process is None:
+            self._watchdog = asyncio.create_task(self._watch_in_process())
+        elif self._engine_process.error is not None:  # it died while the other frontends were starting
+            self._engine_died(self._engine_process.error)
+            return
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         stats = self.servicer.engine.stats()
@@ -162,7 +183,7 @@ class Server:
         levels = (logging.getLogger().getEffectiveLevel(), logging.getLogger("jphoton").getEffectiveLevel())
         kwargs = dict(host=self.host, port=self.port, max_queue=self.admission.capacity,
                       max_message_bytes=self.max_message_bytes, max_message_rate=self.max_message_rate,
-                      metrics_port=None, reuse_port=True)
+                      metrics_port=None, reuse_port=True, tick_timeout=self.tick_timeout, lora_dirs=self.lora_dirs)
         for link in links:
             ready = ctx.Event()
             self._frontends_ready.append(ready)
@@ -177,9 +198,43 @@ class Server:
                      [p.pid for p in self._frontend_procs])
 
     def _engine_died(self, why: str) -> None:
-        """The engine process is gone: health says NOT_SERVING (a load balancer stops sending; calls get INTERNAL)."""
-        for name in ("", SERVICE_NAME):
-            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        """The engine is gone (its process died or stalled, or the in-process engine thread died): health says
+        NOT_SERVING at once (a load balancer stops sending), every call gets UNAVAILABLE (the servicer sees the
+        engine's error), and `engine_failed` is set, on which `jphoton serve` exits non-zero."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine_failed is not None and not self.engine_failed.done():
+            self.engine_failed.set_result(why)
+
+    def _set_health(self, status) -> None:
+        if not self._stopped:
+            for name in ("", SERVICE_NAME):
+                asyncio.ensure_future(self.health.set(name, status))
+
+    async def _watch_in_process(self) -> None:
+        """The in-process engine (AsyncLLM's thread): its death is the engine's death; a pass that does not come for
+        tick_timeout seconds (the thread stuck) turns health NOT_SERVING and new calls UNAVAILABLE until it comes
+        (a thread cannot be killed, and serve(llm) never ends the caller's process)."""
+        engine = self.servicer.engine
+        period = min(0.25, self.tick_timeout / 4) if self.tick_timeout else 0.25
+        while not self._stopped:
+            await asyncio.sleep(period)
+            error = getattr(engine, "error", None)  # (a stand-in engine of the tests may have neither)
+            if error is not None:
+                log.error("engine: %s", error)
+                self._engine_died(error)
+                return
+            ticked_at = getattr(engine, "ticked_at", None)
+            silent = 0.0 if ticked_at is None else time.monotonic() - ticked_at
+            stalled = bool(self.tick_timeout) and silent > self.tick_timeout
+            if stalled and self.servicer.failure is None:
+                self.servicer.failure = (f"the engine thread stalled: no pass for {silent:.1f} s (tick timeout "
+                                         f"{self.tick_timeout:g} s)")
+                log.error("%s", self.servicer.failure)
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            elif not stalled and self.servicer.failure is not None:
+                log.warning("the engine thread runs again after %s", self.servicer.failure)
+                self.servicer.failure = None
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 30.0) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight streams finish for up to `grace` seconds,
@@ -187,6 +242,8 @@ class Server:
         if self._stopped:
             return
         self._stopped = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self.health.enter_graceful_shutdown()
         self.servicer.draining = True
         for proc in self._frontend_procs:  # they drain as we do (their SIGTERM handler), then leave
@@ -285,14 +342,16 @@ class ServerThread:
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEFAULT_MAX_QUEUE,
           metrics_port: int | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          wait: bool = True, frontends: int = 1,
-          max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE) -> ServerThread:
+          wait: bool = True, frontends: int = 1, max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE,
+          tick_timeout: float = DEFAULT_TICK_TIMEOUT, lora_dirs=()) -> ServerThread:
     """Start a server for `model` (an LLM, a callable that builds one, or a `Spawn`: the engine in a child process)
     on a background thread. Returns once the port is open, and, with wait=True, once the model is SERVING.
-    handle.port, handle.stop(grace). frontends > 1: a Spawn served from that many processes (Server's doc)."""
+    handle.port, handle.stop(grace). frontends > 1: a Spawn served from that many processes; tick_timeout, lora_dirs:
+    Server's doc. An engine that dies or stalls leaves the server up, NOT_SERVING (`handle.server.engine_failed`)."""
     handle = ServerThread(Server(host=host, port=port, max_queue=max_queue, metrics_port=metrics_port,
                                  max_message_bytes=max_message_bytes, frontends=frontends,
-                                 max_message_rate=max_message_rate)).start(model)
+                                 max_message_rate=max_message_rate, tick_timeout=tick_timeout,
+                                 lora_dirs=lora_dirs)).start(model)
     if wait:
         handle.wait_ready()
     return handle
@@ -325,7 +384,7 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
     logging.getLogger("jphoton").setLevel(levels[1])
     exit_with_parent()  # (as the engine process does)
 
-    async def run() -> None:
+    async def run() -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -338,13 +397,16 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
                 ready.set()
 
         load = asyncio.create_task(load_and_tell())
-        await stop.wait()
-        await server.stop(grace)
-        if not load.done():
-            load.cancel()
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({stopping, server.engine_failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed = server.engine_failed.done()
+        await server.stop(FAILED_GRACE_S if failed else grace)
+        stopping.cancel()
+        _settle(load)
+        return ENGINE_FAILED_EXIT if failed else 0
 
-    asyncio.run(run())
-    os._exit(0)  # (the loader thread may still wait for the engine's ready message)
+    code = asyncio.run(run())
+    os._exit(code)  # (the loader thread may still wait for the engine's ready message)
 
 
 async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float | None = 0.001,
@@ -367,6 +429,7 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
     server = Server(**server_kwargs)
     server.drain_grace, server.switch_interval = grace, switch_interval
     port = await server.start()
+    failed = server.engine_failed
     print(f"jphoton: gRPC on {server.host}:{port} (jphoton.v1.Engine, grpc.health.v1.Health, reflection)"
           + (f", {server.frontends} frontend processes" if server.frontends > 1 else "")
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if server.metrics_port else ""),
@@ -375,16 +438,33 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if load.done():
+        if load.done() and not stopping.done():
             load.result()  # a load failure ends the process with its error
-            print("jphoton: SERVING", flush=True)
-            await stopping
-        print(f"jphoton: shutting down (draining for up to {grace:.0f} s)", flush=True)
+            if not failed.done():
+                print("jphoton: SERVING", flush=True)
+            await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            print(f"jphoton: the engine is gone ({failed.result()}); exiting (status {ENGINE_FAILED_EXIT}) so that a "
+                  "supervisor restarts the server", file=sys.stderr, flush=True)
+        elif load.done():
+            print(f"jphoton: shutting down (draining for up to {grace:.0f} s)", flush=True)
+        else:
+            print("jphoton: shutting down (the model was still loading)", flush=True)
     finally:
         stopping.cancel()
-        await server.stop(grace)
-        if not load.done():  # interrupted while loading: nothing to serve; the loader thread is a daemon
-            load.cancel()
+        await server.stop(FAILED_GRACE_S if failed.done() else grace)
+        _settle(load)  # interrupted while loading: nothing to serve; the loader thread is a daemon
+    if failed.done():
+        raise EngineDied(failed.result())
+
+
+def _settle(load: asyncio.Task) -> None:
+    """Cancel the load if it is still running, or take its outcome: stopped while the engine process was building its
+    LLM, the load fails with EngineDied, which is no error then (asyncio would log it as never retrieved)."""
+    if not load.done():
+        load.cancel()
+    elif not load.cancelled() and load.exception() is not None:
+        log.debug("the load ended with %r at stop", load.exception())
 
 
 LOADER_THREAD = "jphoton-load"  # the model loader's thread (jphoton serve checks for it at exit)

@@ -5,6 +5,7 @@ list of events per tick, until every frontend has sent "shutdown" or gone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -30,8 +31,9 @@ log = logging.getLogger("jphoton.server")
 _STATS_EVERY_S = 0.25  # the child pushes a stats snapshot this often while busy (metrics scrapes read it)
 INLINE_BUDGET_S = 0.001  # of a tick, for preparing quick requests in the engine loop itself
 LORA_WAIT_S = 60.0  # a LoRA load waits this long for a draining slot (as LLM.load_lora's default timeout)
-
-
+# A frontend that has had no event for this long gets an empty one (a heartbeat), idle or not: silence for
+# --tick-timeout seconds then means that the loop is stuck (EngineProcess's watchdog, in the frontend's process).
+HEARTBEAT_S = 0.5
 
 class LoraError(Exception):
     """A LoRA command that failed. kind: "invalid" (bad name, path or adapter), "no_slot" (every slot is taken),
@@ -56,10 +58,24 @@ def lora_error(llm, e: BaseException) -> LoraError:
     return LoraError("internal", f"{type(e).__name__}: {e}")
 
 
+def request_limits(llm) -> dict:
+    """What the gRPC frontend checks a request against before it parses the request in full (server/service.py
+    RequestBounds): LLM.text_limits() (max_prompt_bytes, bytes_per_token, max_model_len) and EngineConfig.limits."""
+    return {**llm.text_limits(), **dataclasses.asdict(llm.engine_config.limits)}
+
+
+def _stop_building(signum, frame) -> None:
+    """SIGTERM while the LLM is being built (the server stops before it served): leave quietly, with what a normal
+    exit runs for multiprocessing (else the resource tracker warns of a leaked semaphore)."""
+    multiprocessing.util._exit_function()
+    os._exit(0)
+
+
 def child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: tuple[int, int]) -> None:
     """links: (commands, events) connection pair per frontend."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: the server drains us
+    signal.signal(signal.SIGTERM, _stop_building)  # the server stopped while we load (EngineProcess.shutdown)
     # force: an import during unpickling may have configured the root logger already (records lost their marker)
     logging.basicConfig(level=levels[0], format="%(levelname)s %(name)s (engine process): %(message)s", force=True)
     logging.getLogger("jphoton").setLevel(levels[1])
@@ -73,7 +89,8 @@ def child_main(build: Callable[[], Any], links: list[tuple[Any, Any]], levels: t
         for _, events in links:
             _send_quietly(events, pickle.dumps(("failed", e)))
         return
-    ready = pickle.dumps(("ready", (model_info(llm), llm.stats(), llm.text_limits(), os.getpid())))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ready = pickle.dumps(("ready", (model_info(llm), llm.stats(), request_limits(llm), os.getpid())))
     for _, events in links:
         _send_quietly(events, ready)
     try:
@@ -135,6 +152,7 @@ class EngineLoop:
         self.name_of: dict[int, str] = {}
         self.stopping = False
         self.out: list[list] = [[] for _ in links]
+        self.sent_at = [0.0] * self.n  # when each frontend was last sent something (HEARTBEAT_S)
         self.stats_at = 0.0
         self.inline_until = 0.0
         self.programs_left = True  # compiled programs not yet run once (LLM.run_programs_once): run while idle
@@ -208,10 +226,13 @@ class EngineLoop:
             pass
 
     def _flush(self) -> None:
+        """Send each frontend its events of this pass; one that has had nothing for HEARTBEAT_S gets an empty list."""
+        now = time.monotonic()
         for i, out in enumerate(self.out):
-            if out:
+            if out or (i in self.open and now - self.sent_at[i] >= HEARTBEAT_S):
                 _send_quietly(self.events[i], pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
                 self.out[i] = []
+                self.sent_at[i] = now
 
     def _broadcast(self, event: tuple) -> None:
         for i in self.open:
@@ -290,14 +311,16 @@ class EngineLoop:
             else:
                 self.front_id[seq.request_id], self.engine_id[rid] = rid, seq.request_id
 
-    def _read_lora(self, nonce: int, name: str, path: str) -> None:
+    def _read_lora(self, nonce: int, name: str, path: str, allowed_dirs=None) -> None:
+        """allowed_dirs: the server's --lora-dir directories; no file outside them is opened (LLM.read_lora)."""
         if self.stopping:
             self._lora_answer(nonce, False, ("unavailable", "the engine is shutting down"))
             return
+        dirs = {} if allowed_dirs is None else {"allowed_dirs": allowed_dirs}
 
         def read() -> None:
             try:
-                result = self.llm.read_lora(path)
+                result = self.llm.read_lora(path, **dirs)
             except BaseException as e:  # noqa: BLE001 - answered as this load's error (lora_error sorts it)
                 result = e
             self.lora_read.put((nonce, name, result))

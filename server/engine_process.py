@@ -7,12 +7,13 @@ the H100 the served decode ran at 0.31-0.41x of the engine alone (RESULTS.md, "S
 engine loop runs as it does under `LLM.generate`, and the server process spends all of its own time on gRPC.
 
 Transport: two one-way pipes (multiprocessing connections, pickled tuples). Down: ("add", id, prompt, params, name),
-("abort", id), ("abort_named", nonce, name), ("stats", nonce), ("lora_load", nonce, name, path), ("lora_unload",
-nonce, name), ("lora_list", nonce), ("shutdown",). Up: one list of events per engine tick, however many requests it
-served: ("out", id, token_ids, text, finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id,
-message) for a request the engine refused (ValueError: bad input, e.g. an adapter unloaded since the request was
-checked; nothing was queued), ("stats", nonce, dict), ("lora", nonce, ok, result or (kind, message)), ("aborted",
-nonce, found). The server assigns request ids itself, so submitting never waits for the child.
+("abort", id), ("abort_named", nonce, name), ("stats", nonce), ("lora_load", nonce, name, path, allowed_dirs),
+("lora_unload", nonce, name), ("lora_list", nonce), ("shutdown",). Up: one list of events per engine tick, however many
+requests it served (an empty list, a heartbeat, after HEARTBEAT_S without one, idle or not): ("out", id, token_ids,
+text, finish_reason, logprobs, prompt_tokens, completion_tokens, error), ("reject", id, message) for a request the
+engine refused (ValueError: bad input, e.g. an adapter unloaded since the request was checked; nothing was queued),
+("stats", nonce, dict), ("lora", nonce, ok, result or (kind, message)), ("aborted", nonce, found). The server assigns
+request ids itself, so submitting never waits for the child.
 
 Several frontends (`jphoton serve --frontends N`, docs/serving.md): one pipe pair per frontend process, each frontend
 numbering its ids (requests and nonces) i, i + N, i + 2N, ...; the engine routes every event by id modulo N, and stops
@@ -24,6 +25,11 @@ retried each tick, the engine serving meanwhile, until the slot frees or LORA_WA
 
 Detokenization and stop strings stay with the sequence in the engine process (as under `LLM.generate`): the text that
 streams is the text the engine stops on.
+
+Watchdog (in the frontend's process: a stuck engine process may hold its own GIL): the engine process gone (end of
+file on its pipe), or silent for `tick_timeout` seconds (no heartbeat: its loop is stuck; the process is killed first),
+is a death: every open stream and waiting call fails at once (`EngineDied`: the servicer answers UNAVAILABLE), later
+calls too, and `on_death` tells the server, which turns health NOT_SERVING and (`jphoton serve`) exits non-zero.
 """
 
 from __future__ import annotations
@@ -45,10 +51,10 @@ from typing import Any
 from jphoton.async_llm import ChatPrompt, Rejected
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
-from server.engine_loop import LORA_WAIT_S, LoraError, child_main, lora_error
+from server.engine_loop import HEARTBEAT_S, LORA_WAIT_S, LoraError, child_main, lora_error
 
-__all__ = ["LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError", "Rejected", "Spawn", "default_frontends",
-           "lora_error"]
+__all__ = ["DEFAULT_TICK_TIMEOUT", "HEARTBEAT_S", "LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError",
+           "Rejected", "Spawn", "default_frontends", "lora_error"]
 
 log = logging.getLogger("jphoton.server")
 
@@ -63,6 +69,11 @@ MAX_PACE = 4
 # cannot write a message per stream per step: new calls queue behind the writes (staggered TTFT p50 20-26 ms against
 # 9.5 with two on an H200; docs/decisions.md "gRPC frontends"), and a second process needs a core of its own.
 TWO_FRONTENDS_MIN_CPUS = 8
+
+# Seconds without any event (the engine loop sends a heartbeat every HEARTBEAT_S, idle or not) after which the engine
+# process counts as stuck: killed, and the server exits. Far above any legitimate tick (a step on a cold program: ~0.4 s
+# on an H100; compiles happen off the loop, in the background warm-up).
+DEFAULT_TICK_TIMEOUT = 60.0
 
 
 def default_frontends(cpus: int | None = None) -> int:
@@ -82,7 +93,7 @@ class Spawn:
 
 
 class EngineDied(RuntimeError):
-    pass
+    """The engine process is gone (or stuck and killed): what every open and later call fails with (UNAVAILABLE)."""
 
 
 @dataclasses.dataclass
@@ -107,10 +118,11 @@ class EngineProcess:
     others' (hand each to a frontend process, then `close()` them here). link: serve through another frontend's pair
     (in that frontend's process); the engine process is then not ours to start or stop. max_message_rate: past this
     many tokens a second over its streams (0: no limit), a started stream gets one message every 2 (3, 4) ticks,
-    carrying those ticks' tokens; first tokens and finishes are never held."""
+    carrying those ticks' tokens; first tokens and finishes are never held. tick_timeout: seconds of silence from the
+    engine process (no event, no heartbeat) after which it counts as stuck (0: never; the module's docstring)."""
 
     def __init__(self, spawn: Spawn | None = None, *, frontends: int = 1, link: EngineLink | None = None,
-                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE):
+                 max_message_rate: float = DEFAULT_MAX_MESSAGE_RATE, tick_timeout: float = DEFAULT_TICK_TIMEOUT):
         if (spawn is None) == (link is None):
             raise ValueError("EngineProcess needs a Spawn or a link, not both")
         self.spawn = spawn
@@ -150,8 +162,12 @@ class EngineProcess:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
         self._closing = False
+        self._ready = False  # the child has built its LLM (before: shutdown terminates it, it cannot take "shutdown")
+        self.tick_timeout = tick_timeout
+        self._heard_at = 0.0  # time.monotonic() of the last event list from the child (the watchdog's clock)
+        self._stalled: str | None = None  # why the watchdog gave up on the child
         self.info: dict = {}
-        self.text_limits: dict = {}  # LLM.text_limits() of the child's LLM: oversized text is refused here
+        self.request_limits: dict = {}  # engine_loop.request_limits of the child's LLM: the frontend checks these
         self.last_stats: dict = {}
         self.on_death: Callable[[str], None] | None = None  # called on the attached loop if the engine process dies
 
@@ -183,14 +199,29 @@ class EngineProcess:
             if self._proc is not None:
                 self._proc.join(30)
             raise payload
-        self.info, self.last_stats, self.text_limits, self._remote_pid = payload
+        self.info, self.last_stats, self.request_limits, self._remote_pid = payload
+        self._ready = True
         return self.info
+
+    @property
+    def text_limits(self) -> dict:
+        """LLM.text_limits() of the child's LLM: oversized text is refused in the frontend."""
+        keys = ("max_prompt_bytes", "bytes_per_token", "max_model_len")
+        return {k: self.request_limits[k] for k in keys if k in self.request_limits}
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine process is gone (None while it serves)."""
+        return self._error
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver outputs on `loop` (where submit is called): a reader thread unpickles each tick's events and hands
         them to the loop in one call."""
         self._loop = loop
+        self._heard_at = time.monotonic()
         threading.Thread(target=self._read, name="jphoton-engine-reader", daemon=True).start()
+        if self.tick_timeout:
+            threading.Thread(target=self._watch, name="jphoton-engine-watchdog", daemon=True).start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is left, let the child free its pages and exit; kill it if it does not within `timeout`."""
@@ -198,10 +229,20 @@ class EngineProcess:
             self._closing = True
             if self._proc is not None and self._proc.pid is None:  # never started (stopped while loading)
                 return
+        if self._proc is not None and not self._ready:
+            # Still building its LLM, so it reads no command: SIGTERM (it leaves at once, between two Python
+            # bytecodes), then SIGKILL if a long C call (an XLA compile) keeps it from that.
+            self._proc.terminate()
+            self._join(timeout)
+            if self._proc.exitcode is None:
+                log.info("the engine process is still building its LLM; killing it")
+                self._proc.kill()
+                self._join(5)
+            return
         try:
             self._send(("shutdown",))
-        except EngineDied:
-            pass
+        except EngineDied:  # gone: the writer may still wait for a command (its write then fails, or is not read)
+            self._outbox.put(("shutdown",))
         if self._proc is None:  # another frontend's engine: it stops once every frontend has sent shutdown
             if self._writer.is_alive():
                 self._writer.join(timeout)
@@ -230,10 +271,11 @@ class EngineProcess:
 
     def submit(self, prompt, params: SamplingParams | None = None, name: str | None = None
                ) -> tuple[int, asyncio.Queue]:
-        """Queue a request; returns (id, queue of RequestOutputs). A request the engine refuses gets one `Rejected`.
-        name: the client's request id, for `abort_named` from another frontend (several frontends only)."""
+        """Queue a request; returns (id, queue of RequestOutputs). A request the engine refuses gets one `Rejected`;
+        one whose engine process dies gets `EngineDied` (raised here if it is gone already). name: the client's
+        request id, for `abort_named` from another frontend (several frontends only)."""
         if self._error is not None:
-            raise RuntimeError(f"engine loop died: {self._error}")
+            raise EngineDied(self._error)
         rid = next(self._ids)
         outputs: asyncio.Queue = asyncio.Queue()
         self._sinks[rid] = outputs
@@ -268,9 +310,10 @@ class EngineProcess:
         return self.last_stats
 
     async def fresh_stats(self, timeout: float = 5.0) -> dict:
-        """The child's stats now (after every command sent before this call has been handled)."""
+        """The child's stats now (after every command sent before this call has been handled). EngineDied once the
+        child is gone (its last numbers are stale)."""
         if self._error is not None:
-            return self.last_stats
+            raise EngineDied(self._error)
         nonce = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
@@ -282,10 +325,10 @@ class EngineProcess:
         finally:
             self._stats_waiters.pop(nonce, None)
 
-    async def load_lora(self, name: str, path: str) -> dict:
+    async def load_lora(self, name: str, path: str, allowed_dirs: list[str] | None = None) -> dict:
         """Load a LoRA adapter in the child (LLM.read_lora + install_lora, waiting for a draining slot up to
-        LORA_WAIT_S); its list_loras() entry. Raises LoraError."""
-        return await self._lora_command("lora_load", name, path)
+        LORA_WAIT_S); its list_loras() entry. allowed_dirs: no file outside them is opened. Raises LoraError."""
+        return await self._lora_command("lora_load", name, path, allowed_dirs)
 
     async def unload_lora(self, name: str) -> bool:
         return await self._lora_command("lora_unload", name)
@@ -300,7 +343,7 @@ class EngineProcess:
     async def _lora_command(self, kind: str, *args):
         """Send a LoRA command and wait for its answer (no timeout: the child always answers, and a death fails it)."""
         if self._error is not None:
-            raise EngineDied(f"the engine process is gone: {self._error}")
+            raise EngineDied(self._error)
         nonce = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._lora_waiters[nonce] = fut
@@ -313,7 +356,7 @@ class EngineProcess:
     def _send(self, command: tuple) -> None:
         """Queue a command for the child (in order; the writer thread pickles and writes it)."""
         if self._error is not None:
-            raise EngineDied(f"the engine process is gone: {self._error}")
+            raise EngineDied(self._error)
         self._outbox.put(command)
 
     def _write(self) -> None:
@@ -333,17 +376,46 @@ class EngineProcess:
                 events = pickle.loads(self._up.recv_bytes())
             except (EOFError, OSError):
                 break
+            self._heard_at = time.monotonic()
+            if not events:  # a heartbeat
+                continue
             try:
                 loop.call_soon_threadsafe(self._dispatch, events)
             except RuntimeError:  # the loop is closed
                 return
         if self._proc is not None:
             self._join(5)
-        code = self._proc.exitcode if self._proc is not None else "unknown: another frontend's child"
+        if self._stalled is not None:
+            why = self._stalled
+        elif self._proc is not None:
+            why = f"the engine process exited (exit code {self._proc.exitcode})"
+        else:
+            why = "the engine process exited (another frontend's child)"
         try:
-            loop.call_soon_threadsafe(self._died, f"the engine process exited (exit code {code})")
+            loop.call_soon_threadsafe(self._died, why)
         except RuntimeError:
             pass
+
+    def _watch(self) -> None:
+        """The watchdog: an engine process silent for tick_timeout seconds is stuck. Ours is killed (the reader then
+        sees the end of file and fails what is open); another frontend's is given up on here, its owner kills it."""
+        period = min(0.25, self.tick_timeout / 4)
+        while self._error is None and not self._closing:
+            time.sleep(period)
+            silent = time.monotonic() - self._heard_at
+            if silent <= self.tick_timeout or self._error is not None or self._closing:
+                continue
+            self._stalled = (f"the engine process stalled: no event from it for {silent:.1f} s (tick timeout "
+                             f"{self.tick_timeout:g} s)")
+            log.error("%s; %s", self._stalled, "killing it" if self._proc is not None else "giving up on it")
+            if self._proc is not None:
+                self._proc.kill()
+            else:
+                try:
+                    self._loop.call_soon_threadsafe(self._died, self._stalled)
+                except RuntimeError:
+                    pass
+            return
 
     def _pace(self) -> int:
         """Ticks between a started stream's messages: 1 while the streams' tokens come at most `max_message_rate` a
@@ -412,12 +484,12 @@ class EngineProcess:
         self._error = why
         (log.info if self._closing else log.error)("engine process: %s", why)
         for sink in self._sinks.values():
-            sink.put_nowait(None)  # the servicer answers INTERNAL
+            sink.put_nowait(EngineDied(why))  # the servicer answers UNAVAILABLE
         self._sinks.clear()
         self._held.clear()
         self._started.clear()
-        for fut in self._lora_waiters.values():
+        for fut in [*self._lora_waiters.values(), *self._stats_waiters.values()]:
             if not fut.done():
-                fut.set_exception(EngineDied(f"the engine process is gone: {why}"))
+                fut.set_exception(EngineDied(why))
         if self.on_death is not None and not self._closing:
             self.on_death(why)

@@ -3,16 +3,22 @@ every failure -> the gRPC status a client can act on.
 
 Status codes (the contract, also in README.md):
   INVALID_ARGUMENT    bad input of any kind (what LLM/SamplingParams reject with ValueError, no input, chat with token
-                      ids, two constraints, undecodable bytes, a LoRA adapter that is not loaded); nothing is queued.
-                      LoadLora: a bad name, path or adapter
+                      ids, two constraints, a request_id over 256 printable characters, undecodable bytes to any RPC, a
+                      request over a size or count limit, a LoRA adapter that is not loaded); nothing is queued.
+                      LoadLora: a bad name (1-128 printable characters) or adapter, or a path that is not an adapter
+                      directory inside a --lora-dir (one message whatever the path; always, with no --lora-dir)
   ALREADY_EXISTS      request_id names a request that is still live
   RESOURCE_EXHAUSTED  the server already holds --max-queue unfinished requests; LoadLora: every LoRA slot is taken
                       (and none drained within 60 s)
   FAILED_PRECONDITION LoadLora on a server without LoRA slots
-  UNAVAILABLE         the model is still loading, or the server is shutting down
+  UNAVAILABLE         the model is still loading, the server is shutting down, or the engine is gone: its process died
+                      or stalled (no heartbeat for --tick-timeout s; killed), or the in-process engine thread died.
+                      In-flight calls end with it at once, every later call gets it (GetStats and GetModelInfo
+                      included), health is NOT_SERVING, and `jphoton serve` exits non-zero for its supervisor to
+                      restart it: retry on another replica or after the restart
   ABORTED             the request failed mid-flight (e.g. its grammar matcher rejected a token): the tokens produced so
                       far are sent first, then the last message with finish_reason "error", then this status
-  INTERNAL            the engine loop died: a server bug, never a user error
+  INTERNAL            a server bug, never a user error (e.g. a LoRA command that failed unexpectedly; logged)
 All handlers run on the server's event loop, so the bookkeeping below needs no locks.
 """
 
@@ -25,11 +31,14 @@ import secrets
 import time
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
 from jphoton.async_llm import AsyncLLM
+from jphoton.engine.config import Limits
 from jphoton.params import SamplingParams, text_size_error
 from server import jphoton_pb2 as pb
+from server.engine_loop import request_limits
 from server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
 from server.metrics import Metrics
 
@@ -40,6 +49,11 @@ MAX_STATUS_CHARS = 1000  # longest status message sent (an error never echoes a 
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")  # proto3 `optional`: unset = the default
 _LORA_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "no_slot": grpc.StatusCode.RESOURCE_EXHAUSTED,
                "off": grpc.StatusCode.FAILED_PRECONDITION, "unavailable": grpc.StatusCode.UNAVAILABLE}
+MAX_REQUEST_ID_CHARS = 256  # GenerateRequest / AbortRequest.request_id (echoed on the first message)
+MAX_LORA_NAME_CHARS = 128  # a LoRA adapter's name (as LLM.install_lora's bound; ListLoras echoes it)
+MAX_PATH_CHARS = 4096  # LoadLoraRequest.path
+MAX_STOP_TOKEN_IDS = 1024  # SamplingParams.stop_token_ids, unless the engine's limits say otherwise
+MAX_SMALL_REQUEST_BYTES = 64 * 2**10  # any request but a GenerateRequest (a few names and ids at most)
 
 
 class Admission:
@@ -70,11 +84,16 @@ class BadRequest:
 
 
 class EngineServicer:
-    def __init__(self, admission: Admission, metrics: Metrics | None = None):
+    """lora_dirs: the directories LoadLora may load adapters from (the server's --lora-dir; none: LoadLora refused)."""
+
+    def __init__(self, admission: Admission, metrics: Metrics | None = None, lora_dirs=()):
         self.admission = admission
         self.metrics = metrics
+        self.lora_dirs = tuple(str(d) for d in lora_dirs)
         self.llm = None  # the LLM when it runs in this process (AsyncLLM), else None
         self.engine: AsyncLLM | EngineProcess | None = None
+        self.bounds = DEFAULT_BOUNDS  # what a GenerateRequest may hold: the engine's (set by attach)
+        self.failure: str | None = None  # the server's watchdog: why the engine cannot serve now (stalled)
         self.draining = False
         self.calls = 0  # Generate calls admitted (logged per frontend at stop)
         self._live: dict[str, int] = {}  # client request id -> engine request id, while the stream is open
@@ -82,10 +101,18 @@ class EngineServicer:
     def attach(self, llm) -> None:
         """Start serving `llm` (an LLM in this process, its loop in AsyncLLM's thread; or a started EngineProcess)."""
         if isinstance(llm, EngineProcess):
+            self.bounds = RequestBounds.of(llm.request_limits)
             self.engine = llm
         else:
             self.llm = llm
+            self.bounds = RequestBounds.of(request_limits(llm))
             self.engine = AsyncLLM(llm)
+
+    def engine_failure(self) -> str | None:
+        """Why the attached engine cannot serve (its process or thread died, or it stalled), or None."""
+        if self.engine is None:
+            return None
+        return self.failure or getattr(self.engine, "error", None)
 
     def stats(self, engine_stats: dict | None = None) -> dict | None:
         if self.engine is None:
@@ -99,6 +126,8 @@ class EngineServicer:
         if isinstance(request, BadRequest):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         engine = await self._ready(context)
+        if request is NOT_PARSED:  # it arrived while the model was loading (not parsed then), and the model is ready
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the model was still loading; retry")
         try:
             prompt = self._prompt(request)
             params = sampling_params(request.sampling, request.lora)
@@ -117,8 +146,8 @@ class EngineServicer:
                 engine_id, outputs = engine.submit(prompt, params, **named)
             except ValueError as e:
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:  # the engine loop (or process) died
-                await self._fail(context, grpc.StatusCode.INTERNAL, str(e))
+            except RuntimeError as e:  # the engine loop (or process) died (EngineDied)
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE, _gone(str(e)))
             self._live[rid] = engine_id
             self.calls += 1
             try:
@@ -131,22 +160,39 @@ class EngineServicer:
 
     async def Abort(self, request, context):
         if isinstance(request, BadRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        error = request_id_error(request.request_id)
+        if error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, error)
+        if self.engine is None:
+            return pb.AbortResponse(found=False)
+        engine = await self._ready(context, draining_ok=True)
         engine_id = self._live.get(request.request_id)
-        if engine_id is not None and self.engine is not None:
-            self.engine.abort(engine_id)  # the stream then ends normally, with finish_reason "abort"
+        if engine_id is not None:
+            engine.abort(engine_id)  # the stream then ends normally, with finish_reason "abort"
             return pb.AbortResponse(found=True)
-        if isinstance(self.engine, EngineProcess) and self.engine.frontends > 1:  # a stream on another frontend?
-            return pb.AbortResponse(found=await self.engine.abort_named(request.request_id))
+        if isinstance(engine, EngineProcess) and engine.frontends > 1:  # a stream on another frontend?
+            try:
+                return pb.AbortResponse(found=await engine.abort_named(request.request_id))
+            except EngineDied as e:
+                await _abort(context, grpc.StatusCode.UNAVAILABLE, _gone(str(e)))
         return pb.AbortResponse(found=False)
 
     async def GetModelInfo(self, request, context):
+        if isinstance(request, BadRequest):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         engine = await self._ready(context, draining_ok=True)
         return pb.ModelInfo(**engine.info)
 
     async def GetStats(self, request, context):
+        if isinstance(request, BadRequest):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         engine = await self._ready(context, draining_ok=True)
-        s = self.stats(await engine.fresh_stats())
+        try:
+            fresh = await engine.fresh_stats()
+        except EngineDied as e:  # it died while we asked: its last numbers are stale
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, _gone(str(e)))
+        s = self.stats(fresh)
         return pb.Stats(kv_pages_total=s["kv_pages_total"], kv_pages_free=s["kv_pages_free"], running=s["running"],
                         waiting=s["waiting"], num_compiles=s["num_compiles"], queued=s["queued"],
                         max_queue=s["max_queue"], preemptions=s.get("preemptions", 0), steps=s.get("steps", 0),
@@ -164,12 +210,27 @@ class EngineServicer:
         if not request.name or not request.path:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          "LoadLora needs a name and the path of a HF PEFT adapter directory")
-        info = await self._lora(context, "load_lora", request.name, request.path)
+        error = lora_name_error(request.name)
+        if error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, error)
+        engine = await self._ready(context)
+        if not engine.stats().get("lora_slots_total", 0):
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         "LoRA is off for this server: start it with LoRA slots (jphoton serve --max-loras N)")
+        # Adapters only from the operator's directories, and one answer for any other path (existing or not, a file,
+        # a directory, a symlink out): a caller learns nothing of the server's file system. The engine checks again,
+        # for every file it opens (LLM.read_lora's allowed_dirs).
+        if len(request.path) > MAX_PATH_CHARS or not _adapter_dir_allowed(request.path, self.lora_dirs):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _adapter_path_refused())
+        info = await self._lora(context, "load_lora", request.name, request.path, allowed_dirs=list(self.lora_dirs))
         return pb.LoraInfo(**info)
 
     async def UnloadLora(self, request, context):
         if isinstance(request, BadRequest):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        error = lora_name_error(request.name) if request.name else None
+        if error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         return pb.UnloadLoraResponse(found=await self._lora(context, "unload_lora", request.name))
 
     async def ListLoras(self, request, context):
@@ -179,17 +240,18 @@ class EngineServicer:
         return pb.ListLorasResponse(loras=[pb.LoraInfo(**e) for e in loras])
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
-    async def _lora(self, context, method: str, *args, draining_ok: bool = False):
+    async def _lora(self, context, method: str, *args, draining_ok: bool = False, **kwargs):
         """LLM.load_lora / unload_lora / list_loras on the engine (in its process, or on a worker thread of this one:
         they may wait for a draining slot), failures as the status codes above."""
         engine = await self._ready(context, draining_ok=draining_ok)
         try:
             if isinstance(engine, EngineProcess):
-                return await getattr(engine, method)(*args)
-            kwargs = {"timeout": LORA_WAIT_S} if method == "load_lora" else {}
+                return await getattr(engine, method)(*args, **kwargs)
+            if method == "load_lora":
+                kwargs["timeout"] = LORA_WAIT_S
             return await asyncio.to_thread(getattr(self.llm, method), *args, **kwargs)
         except (LoraError, EngineDied) as e:  # the engine process sorted it already / is gone
-            error = e if isinstance(e, LoraError) else LoraError("internal", str(e))
+            error = e if isinstance(e, LoraError) else LoraError("unavailable", _gone(str(e)))
         except Exception as e:  # noqa: BLE001 - in this process: sorted into status codes; a bug is INTERNAL and logged
             error = lora_error(self.llm, e)
         await _abort(context, _LORA_CODES.get(error.kind, grpc.StatusCode.INTERNAL), str(error))
@@ -207,11 +269,14 @@ class EngineServicer:
                 if first and isinstance(batch[0], Rejected):  # preparing it failed (bad input): nothing was queued
                     finished = True
                     await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, batch[0].message)
-                while batch[-1] is not None and batch[-1].delta.finish_reason is None and not outputs.empty():
+                while _is_output(batch[-1]) and batch[-1].delta.finish_reason is None and not outputs.empty():
                     batch.append(outputs.get_nowait())
-                if batch[-1] is None:
-                    finished = True  # nothing left to abort: the engine loop is gone
-                    await self._fail(context, grpc.StatusCode.INTERNAL, "engine loop died; see the server log")
+                gone = None if _is_output(batch[-1]) else batch.pop()  # None (AsyncLLM) or EngineDied: no engine
+                if gone is not None:
+                    finished = True  # nothing left to abort
+                    if not batch:  # (else the outputs that came before it are sent first)
+                        await self._fail_gone(context, gone)
+                        return
                 now = time.perf_counter()
                 msg = pb.GenerateResponse()
                 if first:
@@ -249,6 +314,8 @@ class EngineServicer:
                         self.metrics.e2e.observe(now - t_arrival)
                 first = False
                 yield msg
+                if gone is not None:
+                    await self._fail_gone(context, gone)
                 if reason == "error":
                     # Mid-flight failure of this request only (e.g. its grammar matcher rejected a token): the client
                     # has every token produced so far, and learns why from the status.
@@ -260,9 +327,16 @@ class EngineServicer:
                 self._count("CANCELLED", "")
                 self.engine.abort(engine_id)
 
+    async def _fail_gone(self, context, gone) -> None:
+        why = str(gone) if isinstance(gone, EngineDied) else (self.engine_failure() or "engine loop died")
+        await self._fail(context, grpc.StatusCode.UNAVAILABLE, _gone(why))
+
     async def _ready(self, context, draining_ok: bool = False) -> AsyncLLM:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+        failure = self.engine_failure()
+        if failure:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, _gone(failure))
         if self.draining and not draining_ok:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         return self.engine
@@ -275,15 +349,9 @@ class EngineServicer:
             if request.chat:
                 raise ValueError("chat=true applies the chat template to text; it cannot be used with token_ids")
             return {"prompt_token_ids": list(request.token_ids.ids)}
-        text = request.text
+        text = request.text  # (its size was checked against the engine's limits when the request was decoded)
         if not text:
             raise ValueError("empty prompt: text is empty")
-        # Refused here, before a megabytes-long prompt is pickled to the engine (len() counts characters, never more
-        # than the UTF-8 bytes: a sound lower bound). The engine checks again, exactly.
-        limits = getattr(self.engine, "text_limits", None)
-        error = limits and text_size_error(len(text), **limits)
-        if error:
-            raise ValueError(error)
         if request.chat:
             return self.engine.chat_prompt([{"role": "user", "content": text}])
         return text
@@ -304,6 +372,46 @@ class EngineServicer:
     def _count(self, code: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(code=code, finish_reason=reason).inc()
+
+
+def _is_output(item) -> bool:
+    return item is not None and not isinstance(item, EngineDied)
+
+
+def _gone(why: str) -> str:
+    return f"the engine is gone ({why}); retry on another server or once this one is restarted"
+
+
+def _adapter_path_refused() -> str:
+    from jphoton.weights.peft import ADAPTER_PATH_REFUSED
+
+    return ADAPTER_PATH_REFUSED
+
+
+def _adapter_dir_allowed(path: str, lora_dirs: tuple[str, ...]) -> bool:
+    """Whether `path` (relative: under the first of `lora_dirs`) is a directory inside one of them, symlinks
+    resolved (jphoton.weights.peft.resolve_adapter_dir)."""
+    from jphoton.weights.peft import resolve_adapter_dir
+
+    try:
+        resolve_adapter_dir(path, lora_dirs)
+    except ValueError:
+        return False
+    return bool(lora_dirs)
+
+
+def request_id_error(rid: str) -> str | None:
+    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters (got {len(rid)} characters"
+                f"{'' if rid.isprintable() else ', some of them control characters'})")
+    return None
+
+
+def lora_name_error(name: str) -> str | None:
+    if not 0 < len(name) <= MAX_LORA_NAME_CHARS or not name.isprintable():
+        return (f"a LoRA adapter name is 1 to {MAX_LORA_NAME_CHARS} printable characters (got {len(name)} characters"
+                f"{'' if name.isprintable() else ', some of them control characters'})")
+    return None
 
 
 async def _abort(context, code: grpc.StatusCode, message: str) -> None:
@@ -334,88 +442,229 @@ def sampling_params(msg, lora: str = "") -> SamplingParams:
 
 
 # ---- request decoding ---------------------------------------------------------------------------------------------
-# A oneof keeps only the last field the parser sees, so a request that carries two constraints (or both a text and
-# token ids) would silently run with one of them. The Generate deserializer looks at the wire bytes to refuse that, and
-# turns undecodable bytes into INVALID_ARGUMENT rather than grpc's INTERNAL.
-_CONSTRAINT_NUMBERS = {f.number: f.name for f in pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields}
-_SAMPLING_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
-_INPUT_NUMBERS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields}
-_TEXT_NUMBER = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+# Every check runs on whole messages, in protobuf's C parser (upb): no Python loop over the wire's fields, which a 15 MB
+# message of millions of empty fields made take tens of seconds, and which an unknown group in front of the fields
+# used to stop (so that two inputs or two constraints got through, the last one winning). Step by step:
+#   1. the message's size against what a request within the engine's limits can weigh (RequestBounds.message_bytes):
+#      a bigger one is refused before it is parsed at all; one bigger than everything but a text prompt can weigh
+#      (RequestBounds.other_bytes) is parsed into a message that knows only `text` (every other field, nested ones
+#      included, is one unknown field: skipped at ~5 ns, a 15 MB blob of packed ids in one copy), and refused if its
+#      bytes besides the text are more than that: only a text may make a request big;
+#   2. the bytes are parsed into a *shadow* GenerateRequest (the real descriptors, changed so that parsing is cheap
+#      and tells more): the oneofs' members are plain fields with presence, so that two members set show as two
+#      (the real message keeps the last one parsed); strings are bytes (sizes in bytes, no UTF-8 check); repeated
+#      strings (stop, choice options) are singular, since a repeated one costs ~40 ns an element to parse, 8 million
+#      empty ones 0.6 s with the GIL held, against ~13 ns for a field parsed over and over;
+#   3. on the shadow: the oneof rules, the token id and stop_token_id counts, the text's size in bytes
+#      (text_size_error, with the engine's text limits) and the bytes that parsing left out or merged (every stop
+#      string and option but the last, fields sent twice, unpacked ids: len(data) - shadow.ByteSize()) against what
+#      the limits allow (RequestBounds.repeated_bytes): this bounds how many elements the real parse will make;
+#   4. the real parse, then counts that are O(1) on it (stop strings, choice options, request_id and lora lengths).
+# Parsing holds the GIL (upb does not release it), so a worker thread would not keep health checks answering during
+# it; what bounds the time is steps 1 and 3. Default limits: a 15 MB message of empty fields is refused from its size
+# in microseconds; one within the size bound (~9 MB) costs one parse that knows only `text` (at most ~13 ns a field
+# for top-level fields repeated, ~60 ms at 9 MB on the 2-core CI box), and the messages parsed in full are at most
+# other_bytes (~0.9 MB) besides their text.
+DEFAULT_CONTEXT = 2**17  # tokens, for the bounds when the engine's context is not known (a stand-in engine)
 
 
-def lenient(message_cls):
-    """A request deserializer that returns BadRequest instead of raising on undecodable bytes."""
+@dataclasses.dataclass(frozen=True)
+class RequestBounds:
+    """What a GenerateRequest may hold for one engine (`of(request_limits)`: LLM.text_limits() and EngineConfig.limits,
+    as server.engine_loop.request_limits reports them), and so what it can weigh on the wire."""
+
+    text_limits: dict | None  # text_size_error's keywords (None: the engine's are not known)
+    max_model_len: int | None
+    max_prompt_bytes: int
+    max_stop_strings: int
+    max_stop_bytes: int
+    max_constraint_bytes: int
+    max_choices: int
+    max_stop_token_ids: int
+
+    @classmethod
+    def of(cls, limits: dict | None) -> RequestBounds:
+        given = dict(limits or {})
+        merged = {**dataclasses.asdict(Limits()), **given}
+        text_keys = ("max_prompt_bytes", "bytes_per_token", "max_model_len")
+        return cls(text_limits={k: given[k] for k in text_keys} if all(k in given for k in text_keys) else None,
+                   max_model_len=given.get("max_model_len"), max_prompt_bytes=merged["max_prompt_bytes"],
+                   max_stop_strings=merged["max_stop_strings"], max_stop_bytes=merged["max_stop_bytes"],
+                   max_constraint_bytes=merged["max_constraint_bytes"], max_choices=merged["max_choices"],
+                   max_stop_token_ids=merged.get("max_stop_token_ids", MAX_STOP_TOKEN_IDS))
+
+    @property
+    def repeated_bytes(self) -> int:
+        """The most bytes that parsing can drop or merge (step 3 above) in a request within these limits: every stop
+        string and choice option but the last, with their tags; token ids and stop token ids sent unpacked (a tag
+        each); and 64 KiB for fields sent twice."""
+        context = self.max_model_len or DEFAULT_CONTEXT
+        return (self.max_stop_strings * (self.max_stop_bytes + 4) + self.max_constraint_bytes + 5 * self.max_choices
+                + 6 * context + 6 * self.max_stop_token_ids + 2**16)
+
+    @property
+    def other_bytes(self) -> int:
+        """The most a request within these limits weighs besides its text: token ids (up to 6 bytes each, unpacked),
+        every stop string and constraint (twice what parsing may drop), request_id, lora and the scalars (64 KiB)."""
+        return 6 * (self.max_model_len or DEFAULT_CONTEXT) + 2 * self.repeated_bytes + 2**16
+
+    @property
+    def message_bytes(self) -> int:
+        """The most a request within these limits weighs on the wire."""
+        return self.max_prompt_bytes + self.other_bytes
+
+
+DEFAULT_BOUNDS = RequestBounds.of(None)
+
+
+class _NotParsed:
+    """A GenerateRequest that arrived while the model was loading: not parsed (the call is answered UNAVAILABLE)."""
+
+
+NOT_PARSED = _NotParsed()
+
+
+def _shadow_classes() -> dict[str, type]:
+    """The shadow messages (step 2 above): jphoton.proto's, in a pool of their own, with oneof members as plain fields
+    with presence, strings as bytes and repeated strings singular. Same field numbers and wire types: every message
+    the real parser accepts, the shadow parser accepts, and it sees the same fields."""
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file)
+    real_package, shadow_package = f".{file.package}.", "jphoton_shadow.v1"
+    file.name, file.package = "jphoton_shadow.proto", shadow_package
+    del file.service[:]
+    for message in file.message_type:
+        synthetic = {f.oneof_index for f in message.field if f.proto3_optional}  # proto3 `optional` fields' oneofs
+        del message.oneof_decl[:]
+        for f in message.field:
+            if f.type_name.startswith(real_package):
+                f.type_name = f".{shadow_package}.{f.type_name[len(real_package):]}"
+            member = f.HasField("oneof_index") and f.oneof_index not in synthetic  # of a real oneof
+            optional = f.proto3_optional
+            f.ClearField("oneof_index")
+            f.proto3_optional = False
+            if f.type == F.TYPE_STRING:
+                f.type = F.TYPE_BYTES
+                if f.label == F.LABEL_REPEATED:
+                    f.label = F.LABEL_OPTIONAL
+            if optional or (member and f.type != F.TYPE_MESSAGE):  # presence: a synthetic oneof of its own
+                f.proto3_optional = True
+                f.oneof_index = len(message.oneof_decl)
+                message.oneof_decl.add(name=f"_{f.name}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return {m.name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{shadow_package}.{m.name}"))
+            for m in file.message_type}
+
+
+def _text_only_class() -> type:
+    """GenerateRequest as a message of one field, `bytes text = 2` (step 1 above)."""
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="jphoton_text_only.proto", package="jphoton_text_only.v1",
+                                              syntax="proto3")
+    message = file.message_type.add(name="TextOnly")
+    number = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+    message.field.add(name="text", number=number, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("jphoton_text_only.v1.TextOnly"))
+
+
+_ShadowGenerateRequest = _shadow_classes()["GenerateRequest"]
+_TextOnly = _text_only_class()
+_INPUTS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
+_CONSTRAINTS = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields)
+
+
+def lenient(message_cls, max_bytes: int = MAX_SMALL_REQUEST_BYTES):
+    """A request deserializer that returns BadRequest instead of raising on undecodable bytes, or on more than
+    `max_bytes` (these requests hold a few names and ids)."""
+    name = message_cls.DESCRIPTOR.name
+
     def decode(data: bytes):
+        if len(data) > max_bytes:
+            return BadRequest(f"{name} is {len(data)} bytes; this server accepts at most {max_bytes}")
         try:
             return message_cls.FromString(data)
         except DecodeError as e:
-            return BadRequest(f"cannot decode {message_cls.DESCRIPTOR.name}: {e}")
+            return BadRequest(f"cannot decode {name}: {e}")
     return decode
 
 
-def decode_generate_request(data: bytes, text_limits: dict | None = None):
-    """The request, or BadRequest. With the engine's `text_limits` (LLM.text_limits), a text too long to be served is
-    refused from its size on the wire, before the message is parsed (a 15 MB prompt is never copied into a str)."""
-    if text_limits:
+def decode_generate_request(data: bytes, bounds: RequestBounds = DEFAULT_BOUNDS):
+    """The request, or BadRequest (the steps above)."""
+    if len(data) > bounds.message_bytes:
+        return BadRequest(f"request is {len(data)} bytes; requests to this engine are at most {bounds.message_bytes} "
+                          f"bytes (its limits: max_prompt_bytes {bounds.max_prompt_bytes}, a context of "
+                          f"{bounds.max_model_len or DEFAULT_CONTEXT} tokens, stop strings, constraints)")
+    if len(data) > bounds.other_bytes:  # only a text may make it this big
         try:
-            sizes = [len(value) for field, value in _wire_fields(data) if field == _TEXT_NUMBER and value is not None]
-        except (IndexError, ValueError):  # malformed: the parser below says how
-            sizes = []
-        error = sizes and text_size_error(sizes[-1], **text_limits)
-        if error:
-            return BadRequest(error)
+            rest = len(data) - len(_TextOnly.FromString(data).text)
+        except DecodeError as e:
+            return BadRequest(f"cannot decode GenerateRequest: {e}")
+        if rest > bounds.other_bytes:
+            return BadRequest(f"request is {rest} bytes besides its text; a request within this engine's limits is at "
+                              f"most {bounds.other_bytes} (its context of {bounds.max_model_len or DEFAULT_CONTEXT} "
+                              "tokens, stop strings, constraints)")
     try:
-        request = pb.GenerateRequest.FromString(data)
+        shadow = _ShadowGenerateRequest.FromString(data)
     except DecodeError as e:
         return BadRequest(f"cannot decode GenerateRequest: {e}")
-    inputs, constraints = set(), set()
-    for field, value in _wire_fields(data):
-        if field in _INPUT_NUMBERS:
-            inputs.add(_INPUT_NUMBERS[field])
-        elif field == _SAMPLING_NUMBER and value is not None:
-            constraints |= {_CONSTRAINT_NUMBERS[f] for f, _ in _wire_fields(value) if f in _CONSTRAINT_NUMBERS}
+    error = _shadow_error(shadow, len(data), bounds)
+    if error:
+        return BadRequest(error)
+    try:
+        request = pb.GenerateRequest.FromString(data)
+    except DecodeError as e:  # e.g. a string that is not UTF-8
+        return BadRequest(f"cannot decode GenerateRequest: {e}")
+    error = _request_error(request, bounds)
+    return BadRequest(error) if error else request
+
+
+def _shadow_error(shadow, size: int, bounds: RequestBounds) -> str | None:
+    """Step 3: every check here is O(1) on the parsed shadow but ByteSize (C, linear in its few fields left)."""
+    if len(shadow.request_id) > 4 * MAX_REQUEST_ID_CHARS:  # (UTF-8: at most 4 bytes a character)
+        return f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters (got {len(shadow.request_id)} bytes)"
+    if len(shadow.lora) > 4 * MAX_LORA_NAME_CHARS:
+        return f"a LoRA adapter name is 1 to {MAX_LORA_NAME_CHARS} printable characters (got {len(shadow.lora)} bytes)"
+    inputs = [name for name in _INPUTS if shadow.HasField(name)]
     if len(inputs) > 1:
-        return BadRequest(f"set one input, text or token_ids, not both (got {sorted(inputs)})")
+        return f"set one input, text or token_ids, not both (got {inputs})"
+    sampling = shadow.sampling
+    constraints = [name for name in _CONSTRAINTS if sampling.HasField(name)]
     if len(constraints) > 1:
-        return BadRequest(f"at most one constraint per request, got {sorted(constraints)}")
-    return request
+        return f"at most one constraint per request, got {constraints}"
+    if len(sampling.stop_token_ids) > bounds.max_stop_token_ids:
+        return (f"{len(sampling.stop_token_ids)} stop_token_ids; this server accepts at most "
+                f"{bounds.max_stop_token_ids}")
+    if inputs == ["token_ids"] and bounds.max_model_len and len(shadow.token_ids.ids) >= bounds.max_model_len:
+        return f"prompt has {len(shadow.token_ids.ids)} tokens; the context holds {bounds.max_model_len}"
+    if inputs == ["text"] and bounds.text_limits:
+        error = text_size_error(len(shadow.text), **bounds.text_limits)  # UTF-8 bytes: the engine's measure
+        if error:
+            return error
+    dropped = size - shadow.ByteSize()
+    if dropped > bounds.repeated_bytes:
+        return (f"request repeats {dropped} bytes of fields (stop strings, choice options, fields sent more than once); "
+                f"a request within this engine's limits repeats at most {bounds.repeated_bytes} (max_stop_strings "
+                f"{bounds.max_stop_strings}, max_choices {bounds.max_choices}, max_constraint_bytes "
+                f"{bounds.max_constraint_bytes})")
+    return None
 
 
-def _wire_fields(data: bytes):
-    """(field number, bytes for length-delimited fields else None) of each top-level field in protobuf wire format.
-    Only called on bytes the protobuf parser has accepted."""
-    data = memoryview(data)  # field values are views, not copies (a text field may be megabytes)
-    i, n = 0, len(data)
-
-    def varint():
-        nonlocal i
-        shift = result = 0
-        while True:
-            b = data[i]
-            i += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result
-            shift += 7
-
-    while i < n:
-        tag = varint()
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            varint()
-            yield field, None
-        elif wire == 1:
-            i += 8
-            yield field, None
-        elif wire == 2:
-            size = varint()
-            yield field, data[i:i + size]
-            i += size
-        elif wire == 5:
-            i += 4
-            yield field, None
-        else:  # groups (wire types 3/4): not used by this proto; stop scanning rather than guess
-            return
+def _request_error(request, bounds: RequestBounds) -> str | None:
+    """Step 4: counts and lengths of the parsed request (O(1) each), before anything copies its lists."""
+    error = request_id_error(request.request_id) or (request.lora and lora_name_error(request.lora))
+    if error:
+        return error
+    sampling = request.sampling
+    if len(sampling.stop) > bounds.max_stop_strings:  # (as jphoton.params.check_limits says it)
+        return f"{len(sampling.stop)} stop strings; this engine accepts at most {bounds.max_stop_strings} (max_stop_strings)"
+    if len(sampling.choice.options) > bounds.max_choices:
+        return (f"choice has {len(sampling.choice.options)} options; this engine accepts at most {bounds.max_choices} "
+                "(max_choices)")
+    return None
 
 
 def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:
@@ -424,7 +673,9 @@ def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate,
-            request_deserializer=lambda data: decode_generate_request(data, getattr(servicer.engine, "text_limits", None)),
+            # (not parsed while the model loads: the call is answered UNAVAILABLE without it)
+            request_deserializer=lambda data: (NOT_PARSED if servicer.engine is None
+                                               else decode_generate_request(data, servicer.bounds)),
             response_serializer=pb.GenerateResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort, request_deserializer=lenient(pb.AbortRequest),

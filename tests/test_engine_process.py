@@ -1,5 +1,5 @@
 """The gRPC server with its engine in a child process (`Spawn`, what `jphoton serve` runs): the same answers as the
-in-process server and LLM.generate, bad input refused, pages freed after cancels, the child's death an INTERNAL error.
+in-process server and LLM.generate, bad input refused, pages freed after cancels, the child's death UNAVAILABLE.
 
 One server for the module; its child builds the embedded model with the test engine arguments (conftest.ENGINE_ARGS),
 so its greedy tokens equal the session's `embedded_llm`.
@@ -246,7 +246,7 @@ def test_a_child_that_cannot_build_its_llm_fails_the_load():
         ep.start()
 
 
-def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
+def test_the_engine_process_dying_is_unavailable_and_the_server_answers(proc_srv):
     """Last in the module: it kills the shared server's engine."""
     handle, stub, *_ = proc_srv
     call = stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
@@ -255,10 +255,10 @@ def test_the_engine_process_dying_is_internal_and_the_server_answers(proc_srv):
     os.kill(handle.server.servicer.engine.pid, signal.SIGKILL)
     with pytest.raises(grpc.RpcError) as e:
         list(call)
-    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # (issue 60: INTERNAL, which a retry policy never retries)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(_greedy(PROMPTS[0]), timeout=30))
-    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{handle.port}"))
     status = health.Check(health_pb2.HealthCheckRequest(service="jphoton.v1.Engine"), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING

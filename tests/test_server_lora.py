@@ -60,10 +60,16 @@ def _build_slowed(**kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def lora_srv():
+def lora_dir(tmp_path_factory):
+    """A second --lora-dir of the module's server, for adapters the tests make."""
+    return tmp_path_factory.mktemp("loras")
+
+
+@pytest.fixture(scope="module")
+def lora_srv(lora_dir):
     build = functools.partial(_build_slowed, dtype="float32", freeze_gc=False, warmup="off", max_loras=2,
                               max_lora_rank=16, **ENGINE_ARGS)
-    handle = serve(Spawn(build), port=0, metrics_port=0, wait=True)
+    handle = serve(Spawn(build), port=0, metrics_port=0, wait=True, lora_dirs=[ADAPTERS, lora_dir])
     assert isinstance(handle.server.servicer.engine, EngineProcess)
     channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
     yield handle, pb_grpc.EngineStub(channel)
@@ -123,14 +129,16 @@ def test_a_third_adapter_with_every_slot_loaded_is_resource_exhausted(lora_srv):
     assert [e.name for e in stub.ListLoras(pb.ListLorasRequest(), timeout=10).loras] == ["a", "b"]
 
 
-def test_bad_adapters_and_names_are_invalid_argument(lora_srv, tmp_path):
+def test_bad_adapters_and_names_are_invalid_argument(lora_srv, lora_dir):
+    from jphoton.weights.peft import ADAPTER_PATH_REFUSED
+
     _, stub = lora_srv
     code, details = _error(lambda: list(stub.Generate(_request(PROMPTS[0], "nope"), timeout=30)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown LoRA adapter 'nope' (loaded: 'a', 'b')" in details
-    missing = tmp_path / "missing"
+    missing = lora_dir / "missing"  # (any path that is not an adapter directory in a --lora-dir: one message)
     code, details = _error(lambda: stub.LoadLora(pb.LoadLoraRequest(name="x", path=str(missing)), timeout=30))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == f"LoRA adapter {str(missing)!r}: not a directory"
-    big = tmp_path / "big"  # an adapter of rank 32 where the slots hold 16
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == ADAPTER_PATH_REFUSED
+    big = lora_dir / "big"  # an adapter of rank 32 where the slots hold 16
     shutil.copytree(ADAPTERS / "a", big)
     (big / "adapter_config.json").write_text((big / "adapter_config.json").read_text().replace('"r": 8', '"r": 32'))
     code, details = _error(lambda: stub.LoadLora(pb.LoadLoraRequest(name="x", path=str(big)), timeout=30))
@@ -223,7 +231,7 @@ def _unload_after_checking(llm, name: str) -> None:
 # ---- the engine in this process ---------------------------------------------------------------------------------------
 def test_in_process_server_loads_lists_unloads_and_refuses_a_racing_request():
     llm = make_llm(str(BASE), warmup="off", max_loras=1, max_lora_rank=16)
-    handle = serve(llm, port=0)
+    handle = serve(llm, port=0, lora_dirs=[ADAPTERS])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = pb_grpc.EngineStub(channel)
@@ -246,7 +254,7 @@ def test_in_process_server_loads_lists_unloads_and_refuses_a_racing_request():
 
 
 def test_a_server_without_lora_slots_says_so():
-    handle = serve(make_llm(str(BASE), warmup="off"), port=0)
+    handle = serve(make_llm(str(BASE), warmup="off"), port=0, lora_dirs=[ADAPTERS])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = pb_grpc.EngineStub(channel)
