@@ -18,7 +18,7 @@ Exactly the kept set of the sort-based reference (jphoton/sampling.py `_filter_t
 order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
 the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
 token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
-(lab/probes/topp_cost.py); this, 0.065 ms at top_p 0.9 and 0.12 ms at top_k 50 (docs/decisions.md for the variants).
+(6e55017:lab/probes/topp_cost.py); this, 0.065 ms at top_p 0.9 and 0.12 ms at top_k 50 (docs/decisions.md for the variants).
 
 The programs of a row meet at a spin barrier once per sweep, so all of them must be resident at once: the kernel
 launches at most one program per SM (`programs_per_row`), on the engine's one compute stream. A GPU whose SMs are
@@ -86,7 +86,7 @@ def _select_row(sweep_count, sweep_mass, key_at, top_k, top_p, V: int, m, m_low,
         # Two probes evenly spaced in order keys (the bracket shrinks 3x a sweep whatever the values: no row takes
         # more than ~20 sweeps), six in value around where the k-th value should be if log(count) fell linearly across
         # the bracket, as a logit tail roughly does: 3-5 sweeps for k <= 1000 on normal, Gumbel, log-normal and
-        # peaked rows of 128256 (lab/probes/topp_cost.py), where key probes alone took 8-12.
+        # peaked rows of 128256 (6e55017:lab/probes/topp_cost.py), where key probes alone took 8-12.
         lo, hi, c_lo, c_up, aux = st  # count(keys >= lo) = c_lo >= k > c_up = count(keys > hi)
         probe = jnp.arange(PROBES, dtype=jnp.int32)
         v_lo = jnp.maximum(key_value(lo), m_low)
@@ -135,7 +135,7 @@ def prephase(scaled: jax.Array, noisy: jax.Array, top_p: jax.Array):
     the row's max and min, its mass, and the first top-p candidate (the unfiltered sample). The rejection tests are the
     kernel's: a row with a top-k starts from its top-k set and never uses them, and testing two candidates here (two
     more passes over [R, V]) made top_k 50 over [32, 128256] 125 us against 108 for top_p 0.9 unchanged (65-66 us;
-    H100, lab/probes/prephase_variants.py, docs/decisions.md). -> (m, m_low, start) for `_select_row`, each [R]."""
+    H100, 6e55017:lab/probes/prephase_variants.py, docs/decisions.md). -> (m, m_low, start) for `_select_row`, each [R]."""
     m = jnp.max(scaled, axis=1)
     m_low = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=1)
     z = jnp.sum(jnp.exp(scaled - m[:, None]), axis=1)

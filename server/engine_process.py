@@ -61,7 +61,7 @@ log = logging.getLogger("jphoton.server")
 # One frontend's event loop wrote ~17-19k messages a second at most on the H100 host (1B, 1.97 tokens a message at 64
 # streams, its writes delaying new calls: TTFT). 30k paces the 1B at 64 streams (~43k tokens a second on an H200) to a
 # message every 2 steps and leaves 32 streams alone; 18k (32 streams paced too, 64 every 3 steps) cut TTFT more but
-# slowed the engine's steps 4-5% (H200 A/B, docs/decisions.md). lab/probes/frontend_capacity.py, docs/serving.md.
+# slowed the engine's steps 4-5% (H200 A/B, docs/decisions.md). 6e55017:lab/probes/frontend_capacity.py, docs/serving.md.
 DEFAULT_MAX_MESSAGE_RATE = 30_000.0
 MAX_PACE = 4
 

@@ -182,7 +182,7 @@ def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_w
     task (steps and their LoRA variants, second samplers, top-k / top-p variants); a task is ready once its programs
     are in; the worker ends
     cleanly. (XLA:CPU cannot always run a program loaded from another process, `ALLOW_CPU`: here the engine serves
-    through its own compiles, token-exact; lab/probes/worker_dispatch.py checks the loaded programs' tokens and
+    through its own compiles, token-exact; 6e55017:lab/probes/worker_dispatch.py checks the loaded programs' tokens and
     speed on the GPU.)"""
     from jphoton.engine.runner import Runner
 

@@ -2,7 +2,7 @@
 
 Why: in the serving process a background compile slows the running decode. Tracing a program is Python and holds the
 GIL; writing it to the persistent cache serializes the executable with the GIL held (~0.2 s a 1B program, a stall);
-a B=1 decode kept 0.69x its speed while the 1B's shapes compiled beside it (H100, docs/lab-log.md 2026-11-27).
+a B=1 decode kept 0.69x its speed while the 1B's shapes compiled beside it (H100, docs/decisions.md 2026-11-27).
 Here the worker traces, compiles and writes the cache in its own interpreter; the serving process only loads each
 finished program (`deserialize_and_load`, ~0.3 s a program, mostly without the GIL) and calls it directly
 (`Runner.install`). What is left is XLA's autotuning on the shared GPU.

@@ -87,7 +87,7 @@ class Engine:
         self.telemetry = Telemetry()
         # LLM(freeze_gc=True) sets this: after a tick in which something compiled (a shape first seen by an engine
         # built without warm-up), collect and freeze again, so that the compile's long-lived objects are not rescanned
-        # by every later full collection (a 98.7 ms full pass inside a B=32 tick on the H100, docs/lab-log.md).
+        # by every later full collection (a 98.7 ms full pass inside a B=32 tick on the H100, docs/decisions.md).
         self.refreeze_gc = False
         self._compiles_seen = compiles.num_compiles()
         # Shapes still compiling on the background thread (engine/warmup.py): no refreeze until it is done (its

@@ -332,10 +332,10 @@ def polite_profile(every_s: float = YIELD_EVERY_S):
     """A profile hook (`sys.setprofile`) for a thread that traces step shapes while the engine serves. Tracing is
     pure Python and holds the GIL; the engine thread releases the GIL at every wait on the device and would then wait
     up to the interpreter's switch interval (5 ms) to get it back, for every handoff: a B=1 decode ran at 0.05x while
-    shapes were traced (docs/lab-log.md, 2026-11-27). With the hook the tracing thread sleeps briefly at the first
+    shapes were traced (docs/decisions.md, 2026-11-27). With the hook the tracing thread sleeps briefly at the first
     call after every `every_s` of tracing, so the engine gets the GIL back within ~0.2 ms; tracing takes 2-3x longer,
     hidden behind the previous shape's XLA compile. (A short switch interval instead shares the GIL evenly and
-    slowed the engine's own host work: docs/lab-log.md.)"""
+    slowed the engine's own host work: docs/decisions.md.)"""
     clock, sleep = time.perf_counter, time.sleep
     last = clock()
 
