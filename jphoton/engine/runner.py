@@ -190,6 +190,12 @@ class Runner:
         if self.automaton is not None:
             self._write_automaton = jax.jit(_write_automaton_rows, donate_argnums=(0, 1), in_shardings=on_device,
                                             out_shardings=on_device)
+        # KV page copies (a `choice` branch's own copy of its leader's last prompt page, StepPlan.page_copies), in
+        # chunks of one compiled shape: as many pairs as a step has decode rows at most
+        self.page_copy_chunk = self.sched.decode_buckets[-1]
+        self._copy_pages = jax.jit(functools.partial(_copy_kv_pages, page_size=page_size), donate_argnums=(0,),
+                                   in_shardings=((kv_sharding, kv_sharding), on_device),
+                                   out_shardings=(kv_sharding, kv_sharding))
         if not abstract:
             self.compile_table_writes()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
@@ -198,6 +204,8 @@ class Runner:
     def compile_table_writes(self) -> None:
         """Compile the automaton-table and LoRA-slot writes now (at start-up and in `warmup`, which is also the re-warm
         after `jax.clear_caches()`): a new automaton or adapter then serves without a compile."""
+        self._copy_pages.lower(self._step_specs[1], jax.ShapeDtypeStruct((self.page_copy_chunk, 2), jnp.int32,
+                                                                         sharding=self._sharding)).compile()
         if self.automaton is not None:
             tables = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.automaton]
             self._write_automaton.lower(*tables, *_automaton_chunk_specs(self.model.config.vocab_size,
@@ -367,6 +375,8 @@ class Runner:
         second = None if defer_sampling else self.sampler_input(step.plan, filtered=wants and not in_step)
         slot.step, slot.awaiting_mask = step, defer_sampling
         slot.sampler = second.variant if second is not None else None
+        if step.plan.page_copies:
+            self.copy_pages(step.plan.page_copies)
         inp = step.input
         self.input_transfers += (inp.packed is not None) + (second is not None)
         self._dispatch_into(slot, inp.shape, self.carrier if inp.packed is None else inp.packed, step.record,
@@ -454,6 +464,15 @@ class Runner:
         # (a step that did not write states leaves stale ones: the next step reads them for no row, engine/packing.py)
         self._prev_states = slot.states
 
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV pages (source, destination), ordered after every step already dispatched and before the next."""
+        C, trash = self.page_copy_chunk, self.static.trash_page
+        with _input_transfer():
+            for a in range(0, len(pairs), C):
+                idx = np.full((C, 2), trash, np.int32)  # padding: the trash page onto itself
+                idx[:len(pairs[a:a + C])] = pairs[a:a + C]
+                self.kv = self._copy_pages(self.kv, idx)
+
     def write_automaton(self, offset: int, next_state: np.ndarray, mask: np.ndarray) -> None:
         """Write an automaton's rows (jphoton/automaton.py: next_state [S, V] local int32, -1 = not allowed; mask
         [S, W]) at rows offset .. offset + S - 1 of the device tables, in chunks of one compiled shape, ordered after
@@ -485,7 +504,7 @@ class Runner:
     def first_run(self, key: tuple) -> None:
         """Run one compiled program once, on padding rows (trash page, no carry-over), and wait for it: a program's
         first execution in a process costs far more than the later ones (a 1B decode step up to 390 ms on an H100,
-        lab/probes/first_run.py), and this way warm-up pays it, not a request. key: ("step", shape, filtered, lora)
+        6e55017:lab/probes/first_run.py), and this way warm-up pays it, not a request. key: ("step", shape, filtered, lora)
         or ("sampler", variant), as `install`'s. Only for an idle engine (it uses the decode slots)."""
         if key[0] == "step":
             _, shape, filtered, lora = key
@@ -545,6 +564,14 @@ class Runner:
 
 
 AUTOMATON_CHUNK = 32  # automaton rows a table write carries (one compiled shape)
+
+
+def _copy_kv_pages(kv, pairs, page_size: int):
+    """kv with page pairs[i, 1] overwritten by page pairs[i, 0] (every layer, keys and values)."""
+    slots = jnp.arange(page_size, dtype=jnp.int32)
+    src = (pairs[:, :1] * page_size + slots).reshape(-1)
+    dst = (pairs[:, 1:] * page_size + slots).reshape(-1)
+    return tuple(a.at[:, dst].set(a[:, src]) for a in kv)
 
 
 def _write_automaton_rows(next_state, mask, rows, chunk_next, chunk_mask):

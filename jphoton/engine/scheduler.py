@@ -138,6 +138,9 @@ class StepPlan:
     prefill: list[Row]
     shape: StepShape  # the compiled step it runs in (padded sizes)
     flags: int = 0  # FILTERS | LOGPROBS | CONSTRAINED of the rows that sample, LORA of any row
+    # KV pages to copy (source, destination) before the step runs: a `choice` branch's copy of its leader's last
+    # prompt page (`Scheduler._admit_branches`)
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def rows(self) -> list[Row]:
@@ -168,12 +171,18 @@ class Scheduler:
         # The shape a plan would have used had it been ready (the background compiler takes it next); None if none.
         self.wanted: StepShape | None = None
         self._prefill_turn = False  # the next plan runs prefill alone (no ready shape mixes it with decode)
+        self._branches_waiting = 0  # sequences added with share_from (choice branches), an upper bound on those waiting
+        # id(choice group) -> (block table, step planned in) of its template: the prompt's pages for branches still
+        # waiting (`_admit_branches`); dropped once none waits
+        self._templates: dict[int, tuple[list[int], int]] = {}
 
     # ---- queue -----------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = "waiting"
         seq.sample_flags = row_flags(seq)
         self.waiting.append(seq)
+        if seq.share_from is not None:
+            self._branches_waiting += 1
 
     def has_work(self) -> bool:
         return any(not s.finalized for s in self.waiting) or any(not s.finalized for s in self.running)
@@ -195,6 +204,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == "waiting":
             self.waiting.remove(seq)
+            group = seq.choice_group
+            if group is not None and id(group) in self._templates and not any(
+                    b.status == "waiting" and b.share_from is not None and not b.finalized for b in group.branches):
+                self._drop_template(group)  # (its last waiting branch was aborted)
         seq.status = "released"
         return True
 
@@ -207,12 +220,14 @@ class Scheduler:
         step_id = self._next_step
         planned: set[int] = set()  # ids of the prefill rows' sequences (decode rows: last_sample is this step)
         prefill_turn, self._prefill_turn = self._prefill_turn, False
+        copies = self._admit_branches(step_id, planned) if self._branches_waiting and not prefill_turn else []
         decode, flags = (DecodeRows([], [], [], [], []), 0) if prefill_turn else self._plan_decode(step_id, planned)
         prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
         if prefill_turn and not prefill:  # nothing could be prefilled after all: decode this step
             decode, flags = self._plan_decode(step_id, planned)
             prefill, shape = self._plan_prefill(self.config.max_num_batched_tokens - len(decode), planned, decode)
         if not decode and not prefill:
+            assert not copies, "branches admitted into a step with no rows"
             return None
         if shape is None:  # decode only
             shape = self._decode_shape(decode)
@@ -228,7 +243,7 @@ class Scheduler:
             else:
                 flags |= s.sample_flags & LORA
         self._next_step += 1
-        return StepPlan(step_id, decode, prefill, shape, flags)
+        return StepPlan(step_id, decode, prefill, shape, flags, copies)
 
     def _is_ready(self, shape: StepShape) -> bool:
         return self.ready is None or shape in self.ready
@@ -319,6 +334,88 @@ class Scheduler:
             s.pending_samples = pending + 1
         return DecodeRows(seqs, starts, tokens, carries, samples), flags
 
+    def _admit_branches(self, step_id: int, planned: set[int]) -> list[tuple[int, int]]:
+        """Admit waiting `choice` branches (engine/choice.py) as decode rows, with no prefill: a branch maps the prompt
+        pages of a source that holds them (the leader, a branch admitted so, or the group's template) but the last
+        (read-only, refcounted), gets a copy of that one (run before this step: `StepPlan.page_copies`), and its first
+        row recomputes the prompt's last position, whose logits score the option's first token. So a branch costs one
+        decode row a token of its option, and up to a decode bucket of branches start at once, where a prefill row
+        each (the prompt's tail, up to a page) took up to a prefill bucket's rows a step (the embedded model on the
+        2-core CPU box, default engine: ~1 s an option). While branches of a group wait, the group keeps a template
+        (the shared pages and a copy of the last), so that branches admitted after every running one has finished
+        still find their source. Returns the page copies."""
+        copies: list[tuple[int, int]] = []
+        room = min(self.config.max_num_seqs - self.num_running, self._decode_limit() - self._decodable())
+        ps = self.pages.page_size
+        first_new = self._admissions  # sequences admitted from here on are this plan's: no source yet
+        sources: dict[int, list[int] | None] = {}  # id(group) -> a block table whose prompt KV is written
+        waiting: dict[int, int] = collections.Counter()  # id(group) -> its branches still waiting after this plan
+        groups = {}
+        for s in list(self.waiting):
+            if s.share_from is None or s.finalized:
+                continue
+            group = s.choice_group
+            key = id(group)
+            groups[key] = group
+            n = len(s.prompt_ids)
+            last = (n - 1) // ps  # the page that holds the prompt's last position
+            if key not in sources:
+                sources[key] = self._branch_source(group, n, last, step_id, first_new, planned)
+            table = sources[key]
+            if room <= 0 or table is None or s.inflight_refs or s.output_ids or not self.pages.num_available:
+                waiting[key] += 1
+                continue
+            [page] = self.pages.allocate(1)
+            s.block_table = self.pages.share(table[:last]) + [page]
+            copies.append((table[last], page))
+            s.share_from = None
+            s.num_computed = s.prefill_target = n - 1  # a decode row at position n - 1 (its input: the prompt's)
+            if self.pages.prefix_caching:
+                self.pages.query_tokens += n
+                self.pages.hit_tokens += n - 1
+            self.waiting.remove(s)
+            self.running.append(s)
+            s.status = "running"
+            s.admitted_at, self._admissions = self._admissions, self._admissions + 1
+            room -= 1
+        for key, group in groups.items():
+            if not waiting[key]:
+                self._drop_template(group)
+            elif key not in self._templates and sources[key] is not None and self.pages.num_available:
+                table = sources[key]
+                last = (len(group.parent.prompt_ids) - 1) // ps
+                [page] = self.pages.allocate(1)
+                self._templates[key] = (self.pages.share(table[:last]) + [page], step_id)
+                copies.append((table[last], page))
+        if not groups:
+            self._branches_waiting = 0
+        return copies
+
+    def _branch_source(self, group, n: int, last: int, step_id: int, first_new: int,
+                       planned: set[int]) -> list[int] | None:
+        """A block table holding the group's prompt KV below position n - 1, written by a launched step or by a copy
+        run before one: the group's template if made by an earlier plan, else a branch admitted by an earlier plan
+        that has computed that far (a preempted one is not running; the source is kept from preemption in this plan,
+        its page being copied before the step runs). None: none yet (the leader's prefill is not launched)."""
+        template = self._templates.get(id(group))
+        if template is not None and template[1] < step_id:
+            return template[0]
+        b = next((b for b in group.branches if b.status == "running" and b.admitted_at < first_new
+                  and b.num_computed >= n - 1 and len(b.block_table) > last), None)
+        if b is None:
+            return None
+        planned.add(id(b))
+        return b.block_table
+
+    def _drop_template(self, group) -> None:
+        template = self._templates.pop(id(group), None)
+        if template is not None:
+            self.pages.release(template[0])
+
+    def _decodable(self) -> int:
+        """Running sequences that want a decode row (an upper bound: the step's decode rows)."""
+        return sum(1 for s in self.running if not s.finalized and s.num_computed >= s.prefill_target)
+
     def _plan_prefill(self, budget: int, planned: set[int], decode: DecodeRows) -> tuple[list[Row], StepShape | None]:
         """Prefill chunks for the step (oldest first) and the ready shape that holds them with `decode` (None: no
         prefill). Only shapes in `ready` are used: a chunk is cut to the largest ready prefill bucket."""
@@ -384,12 +481,8 @@ class Scheduler:
         admitted after all."""
         if s.share_from is not None:
             leader, tokens = s.share_from
-            if leader.status == "running" and leader.num_computed >= tokens:
-                s.block_table = self.pages.share(leader.block_table[:tokens // self.pages.page_size])
-                s.num_computed = tokens
-                return True
-            if not leader.finalized and leader.status != "released":
-                return False
+            if id(s.choice_group) in self._templates or not leader.finalized and leader.status != "released":
+                return False  # `_admit_branches` takes it as a decode row (no prefill) when there is room
         if self.pages.prefix_caching:
             self._map_cached_prefix(s)
         return True
