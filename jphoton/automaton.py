@@ -92,7 +92,14 @@ class AutomatonVocab:
 # ((a|b)*a(a|b){20}): the index is built in a child process with a memory and a time limit, so such a constraint costs
 # a failed build (it stays on llguidance), never the serving process.
 INDEX_MEMORY_BYTES = 4 * 2**30
-INDEX_TIMEOUT_S = 60.0
+# A build is a CPU core taken from serving for its whole run (on the 2-core CPU box a 60 s limit let one 16-byte regex,
+# (a|b)*a(a|b){20}, take a core for 60 s; (abc|def){1,3000} takes 7.5 s). Builds that serve (<= automaton_states
+# states) take 0.05-1.5 s there.
+INDEX_TIMEOUT_S = 5.0
+# A regex longer than this many bytes per table state is not built at all (logged): its automaton would not fit the
+# tables anyway (a JSON schema's regex has about one state a byte: 378 bytes, 362 states), and outlines-core takes
+# ~0.35 ms a byte over it (a 20,000-value enum: 269 KB of regex, 9 s of a core).
+MAX_REGEX_BYTES_PER_STATE = 8
 
 
 @dataclasses.dataclass
@@ -342,6 +349,8 @@ class AutomatonCache:
         self._building: dict[object, threading.Event] = {}
         self._lock = threading.Lock()
         self.builds = 0
+        self.max_regex_bytes = MAX_REGEX_BYTES_PER_STATE * max_states
+        self._background: threading.Thread | None = None  # the one build running in the background, if any
 
     def built(self, key) -> TokenAutomaton | None:
         """The automaton if it is built (None: not asked for yet, building, or none)."""
@@ -350,20 +359,31 @@ class AutomatonCache:
 
     def get(self, key, regex: str, oracle, wait: bool = False) -> TokenAutomaton | None:
         """The automaton if built (None while it builds, or if it cannot be built: that constraint stays on
-        llguidance). wait: until it is built (in this thread, unless another is building it)."""
+        llguidance). wait: until it is built (in this thread, unless another is building it). One build runs in the
+        background at a time (each takes a CPU core): while one does, another constraint's build is not started (a
+        later request with it tries again). A regex over `max_regex_bytes` is never built (logged once)."""
         with self._lock:
             if key in self._built:
                 self._built.move_to_end(key)
                 return self._built[key]
+            if len(regex) > self.max_regex_bytes:
+                log.info("no device automaton for this constraint: its regex is %d bytes, over %d (%d a table "
+                         "state); served by llguidance", len(regex), self.max_regex_bytes, MAX_REGEX_BYTES_PER_STATE)
+                self._built[key] = None
+                return None
             done = self._building.get(key)
             start = done is None
+            if start and not wait and self._background is not None and self._background.is_alive():
+                return None  # (another constraint's build is running)
             if start:
                 done = self._building[key] = threading.Event()
+                if not wait:
+                    self._background = threading.Thread(target=self._build, args=(key, regex, oracle, done),
+                                                        daemon=True, name="jphoton-automaton")
         if start and wait:
             self._build(key, regex, oracle, done)
         elif start:
-            threading.Thread(target=self._build, args=(key, regex, oracle, done), daemon=True,
-                             name="jphoton-automaton").start()
+            self._background.start()
         if not wait:
             return None
         done.wait()
