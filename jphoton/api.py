@@ -29,7 +29,16 @@ from jphoton.engine.warmup import Warmup
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family
 from jphoton.models.tensor_parallel import make_mesh
-from jphoton.params import Completion, SamplingParams, check_limits, short, text_bytes, text_size_error, utf8_len
+from jphoton.params import (
+    Completion,
+    SamplingParams,
+    check_choice_tokens,
+    check_limits,
+    short,
+    text_bytes,
+    text_size_error,
+    utf8_len,
+)
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.peft import load_peft_adapter
@@ -45,8 +54,9 @@ class Stream:
     """What `LLM.stream` returns: an iterator of Deltas, and a context manager whose exit (like `close()`) aborts the
     request if it has not finished."""
 
-    def __init__(self, deltas: Iterator[Delta]):
+    def __init__(self, deltas: Iterator[Delta], request_id: int):
         self._deltas = deltas
+        self.request_id = request_id  # (for `LLM.abort`)
 
     def __iter__(self) -> Stream:
         return self
@@ -163,7 +173,7 @@ class LLM:
         block (or call `.close()`): leaving the block early aborts the request and returns its KV pages. A stream you
         stop reading but still hold keeps its request (and pages) until it is closed or garbage-collected."""
         [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
-        return Stream(self._stream(seq))
+        return Stream(self._stream(seq), seq.request_id)
 
     def stream_one(self, prompt: Prompt, params: SamplingParams | None = None,
                    on_delta: Callable[[Delta], None] | None = None) -> Completion:
@@ -189,7 +199,7 @@ class LLM:
         tok = self._require_tokenizer()
         text = tok.apply_chat_template(messages)
         self._check_prompt_size(utf8_len(text), rendered=True)
-        return tok.encode(text, add_special_tokens=False)  # the template writes BOS itself where the model wants it
+        return self._encode_within(text, add_special_tokens=False)  # (the template writes BOS where the model wants)
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
     def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -227,9 +237,23 @@ class LLM:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish_reason "abort"); its KV pages come back once no launched step references it.
-        Returns its last output, or None if it is unknown or already finished."""
+        Returns its last output, or None if it is unknown or already finished. A `generate`/`stream` request's pages
+        (and its record) are back when this returns, unless other callers' requests are stepped by hand (`step`) or
+        by an AsyncLLM, whose ticks then do it; a stream of it ends with this output."""
         with self._engine_lock:
-            return self.engine.abort(request_id)
+            out = self.engine.abort(request_id)
+            queue = self._outputs.pop(request_id, None)  # (its stream holds the deque: nothing more comes to it)
+            if out is None or queue is None:
+                return out
+            queue.append(out)
+            seq = self.engine.sequences.get(request_id)
+            # Land its in-flight steps now, if this thread may tick and every live request's outputs have a reader
+            # (a tick here would take the outputs of a request stepped by hand): else nobody might tick again.
+            drain = (seq is not None and self._driver is None
+                     and all(rid < 0 or rid in self._outputs for rid in self.engine.sequences if rid != request_id))
+        if drain:
+            self._run_until(lambda: seq.status == "released" or not self.engine.has_work())
+        return out
 
     def has_unfinished_requests(self) -> bool:
         """Anything queued, running, or still in flight on the device."""
@@ -439,21 +463,34 @@ class LLM:
                 "max_model_len": self.max_model_len}
 
     def _max_bytes_per_token(self) -> int:
-        """Most UTF-8 bytes of input text one token can stand for: the longest vocabulary entry (byte-level and
-        SentencePiece pieces are never shorter in UTF-8 than the text they encode), times 4 for normalizers that
-        shrink text (NFC/NFKC compose up to 3 code points into one)."""
+        """Most UTF-8 bytes of input text one token can stand for (Tokenizer.max_input_bytes_per_token: the longest
+        vocabulary entry in input bytes, times 4 if the tokenizer normalizes text)."""
         if self._bytes_per_token is None:
             tok = self._require_tokenizer()
             # A tokenizer without the method (a user's own): no bound, only the byte limit applies.
-            self._bytes_per_token = 4 * tok.max_token_bytes() if hasattr(tok, "max_token_bytes") else 2**62
+            if hasattr(tok, "max_input_bytes_per_token"):
+                self._bytes_per_token = tok.max_input_bytes_per_token()
+            else:
+                self._bytes_per_token = 4 * tok.max_token_bytes() if hasattr(tok, "max_token_bytes") else 2**62
         return self._bytes_per_token
+
+    def _encode_within(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; ValueError for a text that cannot fit the context, found from a part of it when the
+        text is long (Tokenizer.encode_within: a 2 MB prompt is refused in ~0.1 s, not tokenized whole in ~2 s)."""
+        tok = self._require_tokenizer()
+        if not hasattr(tok, "encode_within"):  # a user's own tokenizer
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        ids = tok.encode_within(text, self.max_model_len, add_special_tokens)
+        if isinstance(ids, int):
+            raise ValueError(f"prompt has at least {ids} tokens; the context holds {self.max_model_len}")
+        return ids
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("empty prompt" if not prompt else "empty prompt (only whitespace)")
             self._check_prompt_size(text_bytes(prompt))
-            ids = self._require_tokenizer().encode(prompt)
+            ids = self._encode_within(prompt)
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt_token_ids"}
             if unknown or "prompt_token_ids" not in prompt:
@@ -543,6 +580,7 @@ class LLM:
             if len(ids) + 1 > room:
                 raise ValueError(f"{name}; with its end it needs {len(ids) + 1} positions after the prompt and the "
                                  f"context has {room}")
+        check_choice_tokens(encoded, self.engine_config.limits)
         return encoded
 
     def _new_request_id(self) -> int:

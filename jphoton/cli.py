@@ -53,7 +53,10 @@ _LIMIT_FLAGS = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_bytes": "longest stop string (UTF-8 bytes)",
     "max_constraint_bytes": "largest json_schema / regex / grammar (bytes; choice: all options together)",
+    "max_schema_properties": "most properties of a json_schema (all objects together)",
     "max_choices": "most options of a choice (each is scored as a sequence)",
+    "max_choice_tokens": "most tokens of a choice's options together (each option's tokens + 1)",
+    "max_stop_token_ids": "most stop_token_ids per request",
 }
 
 

@@ -60,8 +60,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [{_FLOAT32_TINY:.4g}, 1], got {short(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {short(self.top_k)}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer, got {short(self.seed)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) (a 64-bit seed), got {short(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {short(self.stop)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
@@ -150,6 +150,9 @@ def text_size_error(num_bytes: int, max_prompt_bytes: int, bytes_per_token: int,
 def check_limits(p: SamplingParams, limits) -> None:
     """A request's stop strings and constraint against the engine's Limits (engine/config.py): ValueError naming the
     limit. Cheap: runs before the constraint is compiled."""
+    if len(p.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValueError(f"{len(p.stop_token_ids)} stop_token_ids; this engine accepts at most "
+                         f"{limits.max_stop_token_ids} (max_stop_token_ids)")
     if len(p.stop) > limits.max_stop_strings:
         raise ValueError(f"{len(p.stop)} stop strings; this engine accepts at most {limits.max_stop_strings} "
                          "(max_stop_strings)")
@@ -168,6 +171,45 @@ def check_limits(p: SamplingParams, limits) -> None:
     if size > limits.max_constraint_bytes:
         raise ValueError(f"{kind} is {size} bytes; this engine accepts at most {limits.max_constraint_bytes} "
                          "(max_constraint_bytes)")
+    if kind == "json_schema":
+        count = schema_properties(value, limits.max_schema_properties)
+        if count > limits.max_schema_properties:
+            raise ValueError(f"json_schema has more than {limits.max_schema_properties} properties (all objects "
+                             f"together); this engine accepts at most {limits.max_schema_properties} "
+                             "(max_schema_properties)")
+
+
+def check_choice_tokens(options: list[list[int]], limits) -> None:
+    """A choice's tokenized options against `max_choice_tokens`: what scoring them costs the engine is one row-step per
+    token and one for each option's end (engine/choice.py)."""
+    cost = sum(map(len, options)) + len(options)
+    if cost > limits.max_choice_tokens:
+        raise ValueError(f"choice options are {cost} tokens to score (each option's tokens + 1 for its end); this "
+                         f"engine accepts at most {limits.max_choice_tokens} (max_choice_tokens)")
+
+
+def schema_properties(schema: str, stop_after: int | None = None) -> int:
+    """How many properties a JSON schema (text) declares, every object's together (`properties` and
+    `patternProperties` maps, wherever they sit: $defs, anyOf, items...); counting stops past `stop_after`. 0 for text
+    that is not JSON (validate() refused it already)."""
+    try:
+        doc = json.loads(schema)
+    except (ValueError, RecursionError):
+        return 0
+    count, todo = 0, [doc]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            for key in ("properties", "patternProperties"):
+                props = v.get(key)
+                if isinstance(props, dict):
+                    count += len(props)
+            if stop_after is not None and count > stop_after:
+                return count
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+    return count
 
 
 def text_bytes(text: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -25,6 +26,15 @@ log = logging.getLogger("jphoton")
 # tokenizers' encode holds the GIL for its whole run (2 s for 2 MB on a 2-core CPU), which would stall the engine loop
 # and every other thread of the process, health checks included.
 HELPER_MIN_CHARS = 64 * 2**10
+# `encode_within`: a text longer than this many characters a token of the context is first tokenized in part (a cut at
+# a word boundary past that length): if the part alone cannot fit, the text is refused without tokenizing the rest
+# (2 MB of English took 1.8 s to tokenize on the 2-core CPU box: 600k tokens, for a context of 8,192). English runs at
+# ~3-5 bytes a token, so a text this long almost never fits, and a prefix of it that does fit is tokenized again whole.
+PREFIX_CHARS_PER_TOKEN = 16
+# Where a text may be cut so that its part's tokens are the whole text's first tokens: between a letter and a space
+# that a letter follows. Byte-level BPE pre-tokenizers (GPT-2, Llama 3, Qwen regexes) and SentencePiece ("▁" opens a
+# piece) never put "x y" into one piece, and BPE merges stay inside a piece.
+_WORD_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 
 
 class Tokenizer:
@@ -42,6 +52,8 @@ class Tokenizer:
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self._template: jinja2.Template | None = None
         self._max_token_bytes: int | None = None
+        self._max_input_bytes: int | None = None
+        self._slack: int | None = None
         self._helper: subprocess.Popen | None = None
         self._helper_wanted = False
         self._helper_lock = threading.Lock()
@@ -113,6 +125,50 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | int:
+        """encode(text), or, for a text that cannot fit `max_tokens` tokens, an int: a number of tokens it has at least
+        (>= max_tokens), found from a part of it (PREFIX_CHARS_PER_TOKEN) without tokenizing the rest. Never an int
+        for a text of fewer than max_tokens tokens: the part ends at a word boundary (_WORD_CUT), so its tokens are the
+        whole text's first tokens (an added token with such a boundary inside may be cut: that much slack)."""
+        limit = max_tokens * PREFIX_CHARS_PER_TOKEN
+        while len(text) > limit:
+            cut = _WORD_CUT.search(text, limit)
+            if cut is None:  # no word boundary past the limit: only the whole text tells
+                break
+            n = len(self.encode(text[:cut.start()], add_special_tokens))
+            if n >= max_tokens + self._cut_slack():
+                return n
+            limit *= 4
+        return self.encode(text, add_special_tokens)
+
+    def _cut_slack(self) -> int:
+        """The most tokens a cut (`encode_within`) can add: the longest added token with a word boundary inside."""
+        if self._slack is None:
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            self._slack = max((len(t) for t in added if _WORD_CUT.search(t)), default=0)
+        return self._slack
+
+    def max_input_bytes_per_token(self) -> int:
+        """The most bytes of input text one token stands for, so that a text of B bytes has at least
+        B / this tokens: the longest vocabulary entry in input bytes (a byte-level BPE vocabulary writes one
+        character per byte; otherwise its UTF-8 length, never shorter than the text it encodes), times 4 if the
+        tokenizer normalizes text (NFC/NFKC compose up to 3 code points into one)."""
+        if self._max_input_bytes is None:
+            spec = json.loads(self._tok.to_str())
+            byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+            added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            alphabet = frozenset(_byte_level_alphabet()) if byte_level else frozenset()
+
+            def input_bytes(t: str) -> int:
+                if t in added or not byte_level:
+                    return len(t.encode("utf-8", "surrogatepass"))
+                return sum(1 if c in alphabet else len(c.encode("utf-8", "surrogatepass")) for c in t)
+
+            longest = max(map(input_bytes, vocab), default=1)
+            self._max_input_bytes = longest * (4 if spec.get("normalizer") else 1)
+        return self._max_input_bytes
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -154,6 +210,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template writes BOS itself where the model wants it, so no special tokens are added here (as HF).
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _byte_level_alphabet():
+    from jphoton.automaton import _bytes_to_unicode
+
+    return _bytes_to_unicode()
 
 
 class IncrementalDetokenizer:

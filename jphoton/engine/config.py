@@ -13,6 +13,7 @@ FIRST_CONTEXT_TOKENS = 128  # the smallest context bucket (prefill rows attend o
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table
 ATTENTION = ("auto", "pallas", "static", "dynamic")
 WARMUP = ("background", "full", "off")  # engine/warmup.py (which imports jax; this module must not)
+CHOICE_DEFAULTS = (32, 64)  # Limits.max_choices, max_choice_tokens (measured: docs/decisions.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,14 @@ class Limits:
     max_stop_strings: int = 64  # stop strings per request (the engine checks each against every new token's text)
     max_stop_bytes: int = 1024  # UTF-8 bytes of one stop string
     max_constraint_bytes: int = 256 * 2**10  # a json_schema / regex / grammar text, or all choice options together
-    max_choices: int = 1024  # options of a `choice` (each is scored on an internal sequence of its own)
+    # A json_schema's properties, all objects together ($defs included): llguidance's compile grows with the square of
+    # an object's optional properties (6,000: 3.8 s on the 2-core CPU box; 1,024: 0.2 s), docs/decisions.md
+    max_schema_properties: int = 1024
+    max_choices: int = CHOICE_DEFAULTS[0]  # options of a `choice` (each is scored on an internal sequence of its own)
+    # A `choice`'s options as the engine scores them: the sum over options of (tokens + 1, its end), checked once they
+    # are tokenized (engine/choice.py; what the defaults cost: docs/decisions.md)
+    max_choice_tokens: int = CHOICE_DEFAULTS[1]
+    max_stop_token_ids: int = 1024  # stop_token_ids per request (a set the commit checks every token against)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
