@@ -5,6 +5,7 @@ A backend compile and a persistent-cache hit both mean "a new executable was nee
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -47,9 +48,11 @@ def num_compiles() -> int:
 
 def enable_persistent_cache(directory: str) -> None:
     """Keep compiled executables on disk, so the second start-up of a bucketed engine skips most compiles. A directory
-    the user already configured wins."""
+    the user already configured wins; ours is made private (mode 0700)."""
     if jax.config.jax_compilation_cache_dir:
         return
+    os.makedirs(directory, mode=0o700, exist_ok=True)  # (JAX would make it 0755; LLM's lies in cache_dir(), private)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+

@@ -93,9 +93,26 @@ def load_store(path: pathlib.Path, dtype) -> tuple[ModelConfig, dict, Tokenizer 
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("JPHOTON_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jphoton")
-    return pathlib.Path(root) / "converted"
+    """Where converted models are cached: `converted/` in jphoton's cache directory ($JPHOTON_CACHE_DIR, else
+    $XDG_CACHE_HOME/jphoton or ~/.cache/jphoton), which is made private (mode 0700: it also holds the XLA cache, whose
+    programs embed the model's shapes, and a shared home must not expose either)."""
+    root = pathlib.Path(os.environ.get("JPHOTON_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jphoton"))
+    private_dir(root)
+    return root / "converted"
+
+
+def private_dir(path: pathlib.Path) -> None:
+    """Make `path` (and missing parents) a directory only its owner can read (0700). An existing directory of ours that
+    others can read is narrowed to 0700; one we do not own, or cannot change, is left as it is."""
+    path = pathlib.Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            path.chmod(0o700)
+    except OSError:  # (unwritable: loading a cached conversion or compile fails later with its own message)
+        pass
 
 
 def cache_key(source: pathlib.Path, dtype) -> str:
