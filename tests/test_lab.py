@@ -65,6 +65,11 @@ def test_host_sim(capsys):
     assert '"tick_us"' in out
 
 
+def test_choice_cost(capsys):  # (the embedded model: options are text)
+    out = run_probe(capsys, "lab/probes/choice_cost.py", "--grid", "2x1", "--stream-tokens", "16")
+    assert "N=    2 T=  1" in out and "choice" in out
+
+
 def test_leaf_dispatch(capsys):
     assert "RESULT" in run_probe(capsys, "lab/probes/leaf_dispatch.py", "--leaves", "2", "--calls", "10")
 
