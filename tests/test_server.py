@@ -252,7 +252,8 @@ def test_bad_inputs_are_invalid_argument_and_the_server_keeps_serving(srv):
         "top_k < 0": pb.GenerateRequest(text="hi", sampling=S(top_k=-1)),
         "max_tokens = 0": pb.GenerateRequest(text="hi", sampling=S(max_tokens=0)),
         "max_tokens beyond the context": pb.GenerateRequest(text="hi", sampling=S(max_tokens=10**6)),
-        "seed too large": pb.GenerateRequest(text="hi", sampling=S(seed=2**64 - 1)),
+        "too many stop_token_ids": pb.GenerateRequest(text="hi", sampling=S(stop_token_ids=range(5000))),  # (every
+        # uint64 seed is legal since issue 60)
         "invalid json schema": pb.GenerateRequest(text="hi", sampling=S(json_schema="{not json")),
         "invalid regex": pb.GenerateRequest(text="hi", sampling=S(regex="(unclosed")),
         "invalid grammar": pb.GenerateRequest(text="hi", sampling=S(grammar="start: ((( ")),
