@@ -33,7 +33,7 @@ README = ROOT / "README.md"
 OWN_MODEL = ROOT / "docs" / "own-model.md"  # the README's longer example, linked from it
 MIN_PYTHON_BLOCKS = 4
 MIN_CLI_COMMANDS = 4
-MAX_LINES = 157
+MAX_LINES = 160  # (Bazel got a section of its own: issue 61)
 NOT_RUN = re.compile(r"^<!--\s*not run:.*-->$")
 
 
