@@ -230,7 +230,8 @@ def _cmd_serve(args) -> int:
         raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {max_loras}")
     build = functools.partial(build_llm, args.model, tuple(args.lora), dtype=args.dtype,
                               pipeline_depth=args.pipeline_depth, max_num_seqs=args.max_num_seqs,
-                              max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
+                              max_choice_rows=args.max_choice_rows, max_model_len=args.max_model_len,
+                              prefix_caching=args.prefix_caching,
                               max_loras=max_loras, max_lora_rank=args.max_lora_rank,
                               tensor_parallel_size=args.tensor_parallel_size, **limits)
     try:  # the engine in a process of its own (server/engine_process.py)
@@ -319,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 2 on a host with 8 or more CPUs, else 1; one loop at 64 streams doubles TTFT; 1 "
                         "suits a tiny model whose engine is host-bound: docs/serving.md)")
     s.add_argument("--max-num-seqs", type=_int_in(1), default=64, help="requests decoding at once")
+    s.add_argument("--max-choice-rows", type=_int_in(1), default=7,
+                   help="decode rows one choice request's options take at once (beside other streams; raise on a GPU)")
     s.add_argument("--max-model-len", type=_int_in(1), default=None, help="context length (None: min(model's, 8192))")
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full (by default full KV pages of shared prompt prefixes are reused)")

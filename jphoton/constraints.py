@@ -230,12 +230,6 @@ class GrammarCompiler:
     def advance(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         """Feed each constraint its committed token (on the executor the fills use); False where the grammar rejected
         it."""
-        if any(c.kind == "forced" for c, _ in tokens):  # choice branches (engine/choice.py) mixed with matchers
-            matched = iter(self._advance_matchers([(c, t) for c, t in tokens if c.kind != "forced"]))
-            return [c.advance(int(t)) if c.kind == "forced" else next(matched) for c, t in tokens]
-        return self._advance_matchers(tokens)
-
-    def _advance_matchers(self, tokens: list[tuple[Constraint, int]]) -> list[bool]:
         if not tokens:
             return []
         executor = self._executors["serial" if self.fill_mode == "serial" else "parallel"]

@@ -403,6 +403,7 @@ def _frontend_main(link: EngineLink, server_kwargs: dict, levels: tuple[int, int
         await server.stop(FAILED_GRACE_S if failed else grace)
         stopping.cancel()
         _settle(load)
+        _ignore_signals(loop, signal.SIGTERM)
         return ENGINE_FAILED_EXIT if failed else 0
 
     code = asyncio.run(run())
@@ -454,8 +455,17 @@ async def run_until_signal(model, *, grace: float = 30.0, switch_interval: float
         stopping.cancel()
         await server.stop(FAILED_GRACE_S if failed.done() else grace)
         _settle(load)  # interrupted while loading: nothing to serve; the loader thread is a daemon
+        _ignore_signals(loop, signal.SIGINT, signal.SIGTERM)
     if failed.done():
         raise EngineDied(failed.result())
+
+
+def _ignore_signals(loop: asyncio.AbstractEventLoop, *signals: int) -> None:
+    """Stopped: later signals are ignored. Python 3.11's loop.close() closes its wake-up pipe before it removes its
+    signal handlers, so a SIGTERM in between (a frontend told to stop as it exits) printed a traceback."""
+    for sig in signals:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _settle(load: asyncio.Task) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
-from jphoton.engine.choice import pick
+from jphoton.engine.choice import FORCED_SET, pick
 from jphoton.models import llama
 
 from conftest import FIXTURES, make_llm
@@ -138,3 +138,50 @@ def test_choice_under_preemption_matches_a_roomy_pool():
         if a.choice_scores is not None:
             np.testing.assert_allclose(a.choice_scores, b.choice_scores, atol=1e-4)
     assert roomy[0].choice_scores == pytest.approx(roomy[2].choice_scores[::-1], abs=1e-4)
+
+
+def reference_scores(llm, prompt, options, stops):
+    """Each option's total logprob from a dense forward: its tokens, then the likeliest of `stops`."""
+    encoded = [llm.tokenizer.encode(o, add_special_tokens=False) for o in options]
+    seqs = [np.array(prompt + ids, np.int32) for ids in encoded]
+    out = []
+    for seq, logits in zip(seqs, llama.reference_logits(llm.model.params, llm.config, seqs), strict=True):
+        logits = np.asarray(logits, np.float64)
+        lp = logits - logits.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        out.append(sum(lp[i - 1, seq[i]] for i in range(len(prompt), len(seq))) + max(lp[-1, s] for s in stops))
+    return out
+
+
+@pytest.mark.parametrize("extra", [2, 5])
+def test_branches_are_forced_on_the_device_or_end_under_a_host_mask(embedded_llm, extra):
+    """Up to FORCED_SET stop tokens the device takes each branch's token (no grammar step: the choice rides the
+    pipeline like free rows); with more, the end is drawn under a host mask. Both score like a dense forward."""
+    llm = embedded_llm
+    prompt = llm.encode_chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    options = [" yes", " no", "Yes, it is"]
+    stops = sorted({*llm._eos_ids(), *llm.tokenizer.encode(". ! ? , and", add_special_tokens=False)[:extra]})
+    assert (len(stops) <= FORCED_SET) == (extra == 2)
+    before = llm.engine.num_constrained_steps
+    [out] = llm.generate({"prompt_token_ids": prompt},
+                         SamplingParams(temperature=0, choice=options, stop_token_ids=stops))
+    assert (llm.engine.num_constrained_steps > before) == (len(stops) > FORCED_SET)
+    np.testing.assert_allclose(out.choice_scores, reference_scores(llm, prompt, options, stops), atol=2e-3)
+
+
+def test_a_choice_takes_at_most_max_choice_rows_rows_a_step():
+    """The tiny Llama-3 fixture: 6 options at max_choice_rows=2 score as at the default, in steps of at most 2 rows
+    (the prefill step: the leader's)."""
+    path = FIXTURES / "tiny" / "llama3"
+    prompt = {"prompt_token_ids": list(range(5, 40))}
+    options = ["def", "return None", "self", "inputs", "x = 1", "pass"]
+    outs = []
+    for rows in (7, 2):
+        llm = make_llm(path, warmup=False, max_choice_rows=rows, page_size=8, max_model_len=128)
+        llm.telemetry.clear()
+        [out] = llm.generate(prompt, SamplingParams(temperature=0, choice=options))
+        outs.append(out)
+        widest = max(r.rows for r in llm.telemetry.records)
+        assert widest == rows if rows < len(options) else widest <= rows
+    np.testing.assert_allclose(outs[0].choice_scores, outs[1].choice_scores, atol=1e-4)
+    assert outs[0].choice_index == outs[1].choice_index

@@ -5,12 +5,16 @@ Berlin / Madrid, a greedy masked decode took "L" (the likeliest first token) and
 each option is scored by its total log-probability under the model, its end included (the likeliest of the model's
 stop tokens after it), so "Paris" and "Paris, France" are told apart:
 
-- the request becomes one internal *branch* sequence per option, each a grammar row whose mask allows only the
-  option's next token (`ForcedTokens`), then only the stop tokens; the masked sampler's logprob of the chosen token
-  is the raw model's, so the branch's logprobs are the option's per-token scores;
-- branches share the prompt's KV: the first branch (the leader) prefills the whole prompt, every other one maps the
-  leader's full pages onto its block table (refcounted, read-only) once the leader's prefill is launched, and
-  prefills only the rest of the prompt (less than a page, recomputed: no partial page is shared);
+- the request becomes one internal *branch* sequence per option, a *forced* row (`ForcedTokens`): each step the device
+  takes the option's next token, then the likeliest of the stop tokens, whatever it drew (engine/step.py `resample`;
+  known when the step is planned, so a branch needs no mask and no wait for a commit, and rides the pipeline like a
+  free row); the logprob of that token is the raw model's, so the branch's logprobs are the option's per-token
+  scores. An end among more than FORCED_SET stop tokens is drawn under a host mask instead (a grammar row's step);
+- at most `max_choice_rows` branches of a request decode at once (the scheduler admits the rest as rows free up), so
+  that a choice adds a bounded number of rows to every step it shares with other streams;
+- branches share the prompt's KV: the first branch (the leader) prefills the whole prompt, every other one maps its
+  full pages (refcounted, read-only) and a copy of the last once the leader's prefill is launched, and starts as a
+  decode row at the prompt's last position (engine/scheduler.py `_admit_branches`);
 - when every branch is done the request is finalized with the best option (greedy) or one drawn from
   softmax(scores / temperature) with the request's seed.
 """
@@ -24,6 +28,8 @@ import numpy as np
 
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, Sequence
+
+FORCED_SET = 4  # candidates a forced row may name on the device (its end: the likeliest of the request's stop tokens)
 
 
 class ForcedTokens:
@@ -53,6 +59,13 @@ class ForcedTokens:
 
     def error(self) -> str:
         return f"token {self.rejected} is not the forced token" if self.failed else ""
+
+    def forced(self, index: int) -> tuple[int, ...] | None:
+        """The candidates for output token `index` when the device can force it (engine/step.py `resample`), else None
+        (an end among more than FORCED_SET stop tokens: a host mask, `fill`)."""
+        if index < len(self.tokens):
+            return (self.tokens[index],)
+        return tuple(self.stop_ids) if len(self.stop_ids) <= FORCED_SET else None
 
     def fill(self, mask: np.ndarray, row: int) -> None:
         """mask[row] = the allowed set as a bitmask (bit v % 32 of word v // 32)."""

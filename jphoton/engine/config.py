@@ -75,6 +75,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step: decode rows first, then prefill chunks
     max_model_len: int | None = None  # None: the model's limit, at most 8192
     max_logprobs: int = 20  # the largest SamplingParams.logprobs accepted
+    # decode rows one `choice` request's option branches take at once (engine/choice.py): a choice beside other
+    # streams adds at most this many rows to their steps (7: one stream + a choice fill the 8-row bucket; measured on
+    # the 2-core CPU box, docs/decisions.md; a GPU's step hardly grows with rows: raise it there)
+    max_choice_rows: int = 7
     # memory
     page_size: int = 16  # tokens per KV page
     num_kv_pages: int | None = None  # None: max_num_seqs full contexts, capped by free device memory (CPU: 256 MiB)
@@ -118,6 +122,7 @@ class EngineConfig:
 
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("max_choice_rows", self.max_choice_rows)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("page_size", self.page_size)
         positive_int("num_kv_pages", self.num_kv_pages, allow_none=True)
@@ -214,7 +219,7 @@ class EngineConfig:
         b = self.buckets
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                decode_buckets=b.decode, prefill_buckets=b.prefill, context_buckets=b.context,
-                               page_size=self.page_size)
+                               page_size=self.page_size, max_choice_rows=self.max_choice_rows)
 
 
 def _geometric(start: int, factor: int, last: int) -> tuple[int, ...]:

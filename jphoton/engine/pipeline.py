@@ -207,8 +207,8 @@ class Engine:
         if plan.flags & CONSTRAINED:
             for r in plan.rows:
                 c = r.seq.constraint
-                if c is not None and r.samples:
-                    grammar_rows += 1
+                if c is not None and r.samples and not (c.kind == "forced" and c.forced(r.sample_index)):
+                    grammar_rows += 1  # (a choice branch's row is forced on the device: engine/choice.py)
                     automaton_rows += c.device is not None
         rec.automaton_rows = automaton_rows
         # Automaton rows sample inside the step (its filtered variant reads the device tables) unless the step must be
@@ -265,7 +265,7 @@ class Engine:
         rec.t_commit = now()
         result = self.runner.fetch(slot)
         rec.t_ready = now()
-        verdicts = self._advance_grammar(plan, result) if rec.constrained_rows or rec.automaton_rows else {}
+        verdicts = self._advance_grammar(plan, result) if plan.flags & CONSTRAINED else {}
         rec.t_advanced = now()
         outputs: list[RequestOutput] = []
         tokens = result.tokens
@@ -344,6 +344,10 @@ class Engine:
                 continue
             token = tokens[r.out_row]
             if token == NONFINITE:  # (the commit ends this request; its matcher never sees the marker)
+                continue
+            if c.kind == "forced":  # a choice branch: was its forced token taken? (a mismatch is a bug: its error)
+                if not c.advance(int(token)):
+                    verdicts[r.out_row] = GrammarVerdict(False, True, c.error())
                 continue
             device = c.device
             if device is None:

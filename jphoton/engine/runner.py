@@ -24,7 +24,7 @@ from jphoton.constraints import mask_words
 from jphoton.engine import sharded
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.packing import StepPacker
-from jphoton.engine.scheduler import FILTERS, LOGPROBS, LORA, StepPlan, StepShape
+from jphoton.engine.scheduler import CONSTRAINED, FILTERS, LOGPROBS, LORA, StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
@@ -348,7 +348,10 @@ class Runner:
         if filtered is None:
             filtered = self.wants_filters(plan)
         want_lp = bool(plan.flags & LOGPROBS)  # (else 0: the chosen token's only)
-        if not filtered and not want_lp and not masked:
+        forced = [(row.out_row, c.forced(row.sample_index)) for row in plan.rows
+                  if row.samples and (c := row.seq.constraint) is not None and c.kind == "forced"
+                  ] if plan.flags & CONSTRAINED else []
+        if not filtered and not want_lp and not masked and not forced:
             return None
         inp = self._sampler_input(SamplerVariant(filtered, self.max_logprobs if want_lp else 0, masked))
         rows = inp.fields
@@ -361,6 +364,10 @@ class Runner:
         rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan_rows], np.uint64)).view(np.int32)
         rows[out, 5] = [row.sample_index for row in plan_rows]
         rows[out, 6] = [p.logprobs or 0 for p in params]
+        for out_row, tokens in forced:  # choice branches: the device takes the likeliest of these (step.py resample)
+            if tokens is not None:
+                rows[out_row, 7] = len(tokens)
+                rows[out_row, 8:8 + len(tokens)] = tokens
         return inp
 
     def launch(self, step: PlannedStep, defer_sampling: bool = False) -> DecodeSlot:

@@ -42,6 +42,7 @@ class SchedulerConfig:
     # the plain-JAX dynamic loop)
     context_buckets: tuple[int, ...] = ()
     page_size: int = 16  # tokens per KV page (context buckets count pages)
+    max_choice_rows: int = 7  # a `choice` request's branches decoding at once (`_admit_branches`)
 
     def __post_init__(self):
         if not self.decode_buckets or sorted(self.decode_buckets) != list(self.decode_buckets):
@@ -351,18 +352,22 @@ class Scheduler:
         sources: dict[int, list[int] | None] = {}  # id(group) -> a block table whose prompt KV is written
         waiting: dict[int, int] = collections.Counter()  # id(group) -> its branches still waiting after this plan
         groups = {}
+        rows: dict[int, int] = {}  # id(group) -> room for more of its branches (max_choice_rows)
         for s in list(self.waiting):
             if s.share_from is None or s.finalized:
                 continue
             group = s.choice_group
             key = id(group)
-            groups[key] = group
+            if key not in groups:
+                groups[key] = group
+                rows[key] = self.config.max_choice_rows - _rows_wanted(group)
             n = len(s.prompt_ids)
             last = (n - 1) // ps  # the page that holds the prompt's last position
             if key not in sources:
                 sources[key] = self._branch_source(group, n, last, step_id, first_new, planned)
             table = sources[key]
-            if room <= 0 or table is None or s.inflight_refs or s.output_ids or not self.pages.num_available:
+            if (room <= 0 or rows[key] <= 0 or table is None or s.inflight_refs or s.output_ids
+                    or not self.pages.num_available):
                 waiting[key] += 1
                 continue
             [page] = self.pages.allocate(1)
@@ -378,6 +383,7 @@ class Scheduler:
             s.status = "running"
             s.admitted_at, self._admissions = self._admissions, self._admissions + 1
             room -= 1
+            rows[key] -= 1
         for key, group in groups.items():
             if not waiting[key]:
                 self._drop_template(group)
@@ -483,6 +489,8 @@ class Scheduler:
             leader, tokens = s.share_from
             if id(s.choice_group) in self._templates or not leader.finalized and leader.status != "released":
                 return False  # `_admit_branches` takes it as a decode row (no prefill) when there is room
+            if _rows_wanted(s.choice_group) >= self.config.max_choice_rows:
+                return False  # (its group's rows are taken: max_choice_rows)
         if self.pages.prefix_caching:
             self._map_cached_prefix(s)
         return True
@@ -589,3 +597,10 @@ class Scheduler:
         self.running.remove(s)
         self.waiting.appendleft(s)
         self.num_preemptions += 1
+
+
+def _rows_wanted(group) -> int:
+    """A choice group's branches that take a row in the step being planned: running, some of their (known number of)
+    tokens not yet planned."""
+    return sum(1 for b in group.branches if b.status == "running" and not b.finalized
+               and len(b.output_ids) + b.pending_samples < b.max_new_tokens)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
+from jphoton.engine.choice import FORCED_SET
 from jphoton.engine.scheduler import StepShape
 from jphoton.engine.slots import NONFINITE
 from jphoton.models.lora import LoraInputs
@@ -220,7 +221,7 @@ def mark_nonfinite(tokens: jax.Array, logits: jax.Array, tp=None) -> jax.Array:
     return jnp.where(bad, NONFINITE, tokens)
 
 
-SAMPLER_ROW_FIELDS = 7  # per-row words of the second sampler's input
+SAMPLER_ROW_FIELDS = 8 + FORCED_SET  # per-row words of the second sampler's input
 
 
 def sampler_input_size(max_rows: int, mask_words: int, carrier: int) -> int:
@@ -232,12 +233,16 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
              inputs):
     """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p, logprobs or a
     grammar. inputs: one int32 vector, [R, W] token bitmask if masked (W = ceil(V / 32) words, bit v % 32 of word
-    v // 32 = token v allowed, all ones for free rows), then [R, 7] per-row fields (temperature bits, top_k, top_p
-    bits, key (2 words), sample index, logprobs wanted), then a carrier: words copied into `carrier_buf` (the next
-    step's packed input, so that it needs no transfer of its own; the buffer is donated and persistent, so the step that
-    reads it always finds it at the same address, and nothing is allocated per step). Every row is re-sampled
-    from its own key, so a free row draws what the fused sampler drew. Logprobs are those of the raw model
-    distribution (before temperature and mask). Returns (tokens, logprobs, top_ids, carrier_buf)."""
+    v // 32 = token v allowed, all ones for free rows), then [R, SAMPLER_ROW_FIELDS] per-row fields (temperature bits,
+    top_k, top_p bits, key (2 words), sample index, logprobs wanted, n forced, FORCED_SET candidates), then a
+    carrier: words copied into `carrier_buf` (the next step's packed input, so that it needs no transfer of its own;
+    the buffer is donated and persistent, so the step that reads it always finds it at the same address, and nothing
+    is allocated per step). Every row is re-sampled
+    from its own key, so a free row draws what the fused sampler drew. A *forced* row (n forced > 0: a `choice`
+    branch, engine/choice.py) takes the likeliest of its n candidates, whatever was drawn: its next token is known on
+    the host when the step is planned, so it needs no mask and no wait for a commit; its logprob scores the option.
+    Logprobs are those of the raw model distribution (before temperature and mask). Returns (tokens, logprobs,
+    top_ids, carrier_buf)."""
     R, V = logits.shape
     W = -(-V // 32) if masked else 0
     rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
@@ -252,11 +257,21 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
         fresh = (sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5]) if filtered
                  else sample_plain(scores, temperature, key, rows[:, 5]))
         tokens = jnp.where(tokens == NONFINITE, NONFINITE, fresh)
+    tokens = _forced(logits, tokens, rows[:, 7], rows[:, 8:8 + FORCED_SET])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
     if carrier.size:
         carrier_buf = jax.lax.dynamic_update_slice(carrier_buf, carrier, (0,))
     return tokens, logprobs_buf, top_ids_buf, carrier_buf
+
+
+def _forced(logits: jax.Array, tokens: jax.Array, n: jax.Array, candidates: jax.Array) -> jax.Array:
+    """tokens with each forced row's (n > 0) likeliest candidate among its first n; a NONFINITE row stays marked."""
+    cand = jnp.maximum(candidates, 0)
+    scores = jnp.take_along_axis(logits, cand, axis=-1)
+    scores = jnp.where(jnp.arange(FORCED_SET)[None, :] < n[:, None], scores, -jnp.inf)
+    best = jnp.take_along_axis(cand, jnp.argmax(scores, axis=-1)[:, None], axis=-1)[:, 0]
+    return jnp.where((n > 0) & (tokens != NONFINITE), best, tokens)
 
 
 def unpack_bitmask(words: jax.Array, vocab_size: int) -> jax.Array:
