@@ -44,8 +44,8 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from benchmarks.llm_args import add_llm_args, parse_llm_args  # noqa: E402
-from server import jphoton_pb2 as pb  # noqa: E402
-from server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
+from jphoton.server import jphoton_pb2 as pb  # noqa: E402
+from jphoton.server import jphoton_pb2_grpc as pb_grpc  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -316,12 +316,12 @@ def engine_kwargs(args) -> dict:
 
 
 def serve_child(spec: dict) -> None:
-    """`jphoton serve`'s path: the engine in a process of its own (spec["server"] == "process", server/engine_process.py)
-    or in a thread of the server process ("thread", `jphoton serve --in-process`)."""
+    """`jphoton serve`'s path: the engine in a process of its own (spec["server"] == "process",
+    jphoton/server/engine_process.py) or in a thread of the server process ("thread", `jphoton serve --in-process`)."""
     import functools
 
-    from server.app import run_until_signal
-    from server.engine_process import Spawn
+    from jphoton.server.app import run_until_signal
+    from jphoton.server.engine_process import Spawn
 
     build = functools.partial(build_engine, spec)
     model = Spawn(build) if spec["server"] == "process" else build
@@ -492,7 +492,7 @@ def main(argv=None):
         serve_child(json.loads(args.serve))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when `timeout` stops us
-    from server.engine_process import default_frontends  # (jphoton, jax: not in the spawned client processes)
+    from jphoton.server.engine_process import default_frontends  # (jphoton, jax: not in the spawned client processes)
 
     t0 = time.perf_counter()
     runs = []

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jphoton.constraints import GrammarCompiler
+from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compile_worker, compiles
 from jphoton.engine import warmup as warmup_lib
 from jphoton.engine.config import EngineConfig
@@ -538,7 +538,7 @@ class LLM:
             check_limits(p, self.engine_config.limits)
             new_tokens = p.max_tokens or self.max_model_len - len(ids)
             options = None
-            if p.choice is not None:  # one sequence per option, each the option and its end (engine/choice.py)
+            if p.choice is not None:  # one sequence per option, each the option and its end (constrain/choice.py)
                 options = self._choice_options(p.choice, p.max_tokens, self.max_model_len - len(ids))
                 new_tokens = max(map(len, options)) + 1
             pool = self.engine.pages
@@ -598,7 +598,7 @@ class LLM:
 
 
 def _load_tokenizer(path, vocab_size: int):
-    from jphoton.tokenizer import Tokenizer
+    from jphoton.text.tokenizer import Tokenizer
 
     p = pathlib.Path(path)
     tok = Tokenizer.from_hf_dir(p if p.is_dir() else p.parent) if p.exists() else None

@@ -284,7 +284,7 @@ class ChatPrompt:
 def start_serving(llm: LLM, warm_grammar: bool = True) -> None:
     """Set up a process to serve `llm` (the servers, AsyncLLM) so that no one-off piece of work holds the GIL, and with
     it the engine thread and every stream, for long: long prompts are tokenized in a helper process
-    (jphoton/tokenizer.py, HELPER_MIN_CHARS: seconds), and llguidance's first matcher, which builds its token tables
+    (jphoton/text/tokenizer.py, HELPER_MIN_CHARS: seconds), and llguidance's first matcher, which builds its token tables
     (~250 ms on the 2-core CPU box), is built now rather than in the first constrained request. (LLM() has already
     frozen its start-up objects out of garbage collection: EngineConfig.freeze_gc.)"""
     if hasattr(llm.tokenizer, "use_helper_process"):

@@ -211,16 +211,16 @@ def _cmd_serve(args) -> int:
     import shutil
     import tempfile
 
-    from server.engine_process import default_frontends
+    from jphoton.server.engine_process import default_frontends
 
     frontends = args.frontends or default_frontends()
     metrics_dir = None
     if frontends > 1 and args.metrics_port is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # the frontends' request metrics are summed through files (server/metrics.py): set before the import
+        # the frontends' request metrics are summed through files (jphoton/server/metrics.py): set before the import
         metrics_dir = tempfile.mkdtemp(prefix="jphoton-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from server.app import ENGINE_FAILED_EXIT, LOADER_THREAD, run_until_signal
-    from server.engine_process import EngineDied, Spawn
+    from jphoton.server.app import ENGINE_FAILED_EXIT, LOADER_THREAD, run_until_signal
+    from jphoton.server.engine_process import EngineDied, Spawn
 
     # The default warm-up: health turns SERVING once a first request's shapes are compiled; the rest compile in the
     # background and the scheduler uses each as it becomes ready (jphoton/engine/warmup.py).
@@ -234,7 +234,7 @@ def _cmd_serve(args) -> int:
                               prefix_caching=args.prefix_caching,
                               max_loras=max_loras, max_lora_rank=args.max_lora_rank,
                               tensor_parallel_size=args.tensor_parallel_size, **limits)
-    try:  # the engine in a process of its own (server/engine_process.py)
+    try:  # the engine in a process of its own (jphoton/server/engine_process.py)
         asyncio.run(run_until_signal(Spawn(build), host=args.host, port=args.port, max_queue=args.max_queue,
                                      metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20,
                                      grace=args.grace, frontends=frontends,

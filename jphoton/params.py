@@ -23,13 +23,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top logprobs per generated token (and the chosen token's)
-    # Constrained decoding: at most one of these (see jphoton/constraints.py). The output then matches the constraint;
+    # Constrained decoding: at most one of these (see jphoton/constrain/compiler.py). The output then matches the constraint;
     # generation stops when the grammar is complete (EOS is allowed only where the grammar may end).
     json_schema: str | dict | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None  # the whole output matches this regex
     grammar: str | None = None  # a Lark or GBNF grammar
     # the output is one of these strings: the one the model scores highest as a whole sequence, end included (sampled
-    # by those scores at temperature > 0); engine/choice.py
+    # by those scores at temperature > 0); constrain/choice.py
     choice: tuple[str, ...] | None = None
     lora: str | None = None  # the name of a loaded LoRA adapter (LLM.load_lora); None: the base model
 
@@ -181,7 +181,7 @@ def check_limits(p: SamplingParams, limits) -> None:
 
 def check_choice_tokens(options: list[list[int]], limits) -> None:
     """A choice's tokenized options against `max_choice_tokens`: what scoring them costs the engine is one row-step per
-    token and one for each option's end (engine/choice.py)."""
+    token and one for each option's end (constrain/choice.py)."""
     cost = sum(map(len, options)) + len(options)
     if cost > limits.max_choice_tokens:
         raise ValueError(f"choice options are {cost} tokens to score (each option's tokens + 1 for its end); this "
@@ -251,6 +251,6 @@ class Completion:
     # With SamplingParams(logprobs=k): per generated token, (token id, its logprob, {top-k id: logprob}).
     logprobs: list[tuple[int, float, dict[int, float]]] | None = None
     # With SamplingParams(choice=...): the option chosen (index into `choice`) and every option's score, its total
-    # log-probability under the model, end included (engine/choice.py).
+    # log-probability under the model, end included (constrain/choice.py).
     choice_index: int | None = None
     choice_scores: list[float] | None = None

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.config import ModelConfig
+from jphoton.engine.sampling import sample_reference, seed_key_data
 from jphoton.models import llama
-from jphoton.sampling import sample_reference, seed_key_data
+from jphoton.models.config import ModelConfig
 from jphoton.sequence import Delta, Sequence
 
 

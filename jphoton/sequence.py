@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphoton.params import Completion, SamplingParams
-from jphoton.tokenizer import IncrementalDetokenizer, Tokenizer
+from jphoton.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,9 +81,9 @@ class Sequence:
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
         self.lora_slot = -1  # the LoRA adapter's device slot (engine/loras.py), -1: the base model
         self.lora_key = None  # that adapter load's id: part of the prefix-cache key of the pages this sequence writes
-        self.constraint = None  # jphoton.constraints.Constraint: the grammar matcher, advanced at each commit
+        self.constraint = None  # jphoton.constrain.compiler.Constraint: the grammar matcher, advanced at each commit
         self.automaton_on_device = False  # the latest launched sample ran under the device automaton (its state there)
-        # `choice` requests (engine/choice.py): the options as token ids (set at submission); the engine scores them
+        # `choice` requests (constrain/choice.py): the options as token ids (set at submission); the engine scores them
         # on internal branch sequences, which point back at their group and may share a leader's prompt pages.
         self.choice_options: list[list[int]] | None = None
         self.choice_group = None

@@ -31,7 +31,7 @@ def main() -> None:
     try:
         from jphoton.server.app import run_until_signal  # once the server lives in the package (issue 61)
     except ImportError:
-        from server.app import run_until_signal
+        from jphoton.server.app import run_until_signal
 
     page = 16
     max_len = -(-(args.prompt_len + args.new_tokens) // page) * page

@@ -1,4 +1,4 @@
-"""Device automata in tests (jphoton/automaton.py): walk one and an llguidance matcher of the same constraint side by
+"""Device automata in tests (jphoton/constrain/automaton.py): walk one and an llguidance matcher of the same constraint side by
 side (at every step their token masks and their "the output is complete" verdicts must agree); serve an LLM's
 constraints from host masks only."""
 

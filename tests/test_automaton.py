@@ -1,4 +1,4 @@
-"""Device automata (jphoton/automaton.py): the token DFA agrees with llguidance mask for mask; the engine samples
+"""Device automata (jphoton/constrain/automaton.py): the token DFA agrees with llguidance mask for mask; the engine samples
 automaton rows inside the step with the same tokens as the host-mask path, at both depths, alone and beside host-mask,
 top-k and logprobs rows; the table pool places, keeps and evicts automata; a full table falls back to the host."""
 
@@ -11,7 +11,7 @@ import pytest
 from automaton_walk import compare_walks, host_masks
 
 from jphoton import SamplingParams
-from jphoton.automaton import AutomatonPool, AutomatonVocab, TokenAutomaton, token_bytes
+from jphoton.constrain.automaton import AutomatonPool, AutomatonVocab, TokenAutomaton, token_bytes
 
 COORDS = r"\[[0-9]{1,3},[0-9]{1,3}(;[0-9]{1,3},[0-9]{1,3}){0,15}\]"
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
@@ -177,7 +177,7 @@ def test_a_new_automaton_serves_without_a_compile_after_the_re_warm(embedded_llm
 def test_a_regex_whose_dfa_explodes_builds_nothing_and_the_process_survives():
     """(a|b)*a(a|b){22} has ~2^22 DFA states: outlines-core's index build runs in a child process with a memory limit,
     so it fails there (the constraint stays on llguidance) instead of taking the engine's memory."""
-    from jphoton import automaton as A
+    from jphoton.constrain import automaton as A
 
     voc = AutomatonVocab([bytes([i]) for i in range(256)], 256, (0,))
     result = A.regex_index("(a|b)*a(a|b){22}", voc, memory_bytes=512 * 2**20, timeout_s=60)

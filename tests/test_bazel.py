@@ -10,8 +10,8 @@ import fnmatch
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("jphoton", "pallas_kernels", "server", "benchmarks")
-BUILD_DIRS = ("", "jphoton", "pallas_kernels", "server", "benchmarks", "tests", "notebooks", "tools/bazel")
+PACKAGES = ("jphoton", "pallas_kernels", "benchmarks")
+BUILD_DIRS = ("", "jphoton", "jphoton/server", "pallas_kernels", "benchmarks", "tests", "notebooks", "tools/bazel")
 
 
 def _read_builds() -> dict[str, dict]:
@@ -20,8 +20,9 @@ def _read_builds() -> dict[str, dict]:
     for pkg in BUILD_DIRS:
         base = ROOT / pkg
 
-        def glob(patterns, base=base):
-            return sorted({str(p.relative_to(base)) for pat in patterns for p in base.glob(pat) if p.is_file()})
+        def glob(patterns, exclude=(), base=base):
+            return sorted({str(p.relative_to(base)) for pat in patterns for p in base.glob(pat) if p.is_file()}
+                          - set(exclude))
 
         def label(dep, pkg=pkg):
             if dep.startswith(":"):

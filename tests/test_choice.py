@@ -1,4 +1,4 @@
-"""`choice` scored as whole sequences (engine/choice.py): the scores against HF transformers, the pick (greedy and
+"""`choice` scored as whole sequences (constrain/choice.py): the scores against HF transformers, the pick (greedy and
 sampled), the branches sharing the prompt's KV pages, both pipeline depths, free neighbours, aborts and preemption."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
-from jphoton.engine.choice import FORCED_SET, pick
+from jphoton.constrain.choice import FORCED_SET, pick
 from jphoton.models import llama
 
 from conftest import FIXTURES, make_llm

@@ -81,7 +81,7 @@ def runs(embedded_d1, embedded_llm, embedded_d3):
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_device_automata_give_the_host_masks_tokens(runs, request, depth, temperature):
     """The same batch on engines' device automata, every regular constraint's automaton built beforehand:
-    those rows sample under their device automaton (jphoton/automaton.py) and draw exactly the host path's tokens."""
+    those rows sample under their device automaton (jphoton/constrain/automaton.py) and draw exactly the host path's tokens."""
     llm = llm_at_depth(request, depth)
     for _, kw, _ in CASES:
         llm.grammar.compile(SamplingParams(**kw), wait_automaton=True)
@@ -168,7 +168,7 @@ def test_a_grammar_failure_mid_flight_ends_only_that_request(request, monkeypatc
     def sabotage(tokens):
         tokens = list(tokens)
         for i, (c, _) in enumerate(tokens):
-            if c.kind == "forced":  # the choice request's branches (engine/choice.py)
+            if c.kind == "forced":  # the choice request's branches (constrain/choice.py)
                 continue
             if c.kind == "regex" and len(c.calls) == 2:
                 tokens[i] = (c, letter)
@@ -217,7 +217,7 @@ def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, cap
     """The serial and the parallel fill write the same masks; "auto" times both and settles on one, saying which."""
     import numpy as np
 
-    from jphoton import constraints as C
+    from jphoton.constrain import compiler as C
 
     monkeypatch.setattr(C, "AUTO_TRIALS", 3)
     grammar = C.GrammarCompiler(embedded_llm.tokenizer, embedded_llm.config.vocab_size, embedded_llm._eos_ids())
@@ -237,7 +237,7 @@ def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, cap
     np.testing.assert_array_equal(masks["parallel"], masks["serial"])
     assert (masks["serial"][1::2] == -1).all() and (masks["serial"][::2] != -1).any()
     grammar.fill_mode = "auto"
-    with caplog.at_level("INFO", logger="jphoton.constraints"):
+    with caplog.at_level("INFO", logger="jphoton.constrain.compiler"):
         for _ in range(2 * C.AUTO_TRIALS):
             grammar.fill_masks(rows, np.full((16, W), -1, np.int32))
     assert grammar.fill_mode in ("parallel", "serial")

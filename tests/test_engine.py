@@ -204,7 +204,7 @@ def test_zombie_rides_along_and_appends_nothing(embedded_llm, hf):
 
 def test_async_engine_serves_many_concurrent_requests(embedded_llm, hf):
     from jphoton.async_llm import AsyncLLM
-    from jphoton.constraints import GrammarCompiler
+    from jphoton.constrain.compiler import GrammarCompiler
 
     g = embedded_llm.grammar
     fresh = GrammarCompiler(g._tokenizer, g.vocab_size, tuple(g._eos))  # llguidance not set up yet

@@ -18,10 +18,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jphoton import LLM, SamplingParams
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import serve
-from server.engine_process import EngineProcess, Spawn
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import serve
+from jphoton.server.engine_process import EngineProcess, Spawn
 
 from conftest import ENGINE_ARGS
 
@@ -273,7 +273,7 @@ def test_the_idle_engine_loop_runs_each_program_once(monkeypatch):
     import threading
 
     from jphoton.engine import warmup
-    from server.engine_loop import EngineLoop
+    from jphoton.server.engine_loop import EngineLoop
 
     from conftest import FIXTURES, make_llm, tiny_reference
 
@@ -318,7 +318,7 @@ def test_quick_requests_are_prepared_in_the_engine_loop_and_others_wake_it(embed
     import threading
 
     from jphoton.async_llm import INLINE_MAX_CHARS
-    from server.engine_loop import EngineLoop
+    from jphoton.server.engine_loop import EngineLoop
 
     llm = embedded_llm
     where, prepared, added, plain_prepare, plain_add = {}, {}, {}, llm.prepare_request, llm.add_request

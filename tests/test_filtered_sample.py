@@ -1,5 +1,5 @@
 """Top-k / top-p sampling without a sort (pallas_kernels/filtered_sample.py) against the sort-based definition
-(`jphoton.sampling.sample_reference`): the same tokens on fixed seeds, the Pallas kernel (interpret mode) equal to the
+(`jphoton.engine.sampling.sample_reference`): the same tokens on fixed seeds, the Pallas kernel (interpret mode) equal to the
 XLA loops, edge rows, and no sort in the lowered sampler."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
+from jphoton.engine.sampling import _gumbel, sample, sample_reference, seed_key_data
 from jphoton.reference import ReferenceDecoder
-from jphoton.sampling import _gumbel, sample, sample_reference, seed_key_data
 from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla, float_keys, key_value
 
 # (top_k, top_p) settings: each filter alone, both, a nucleus of one token, k >= V, k = 1, nothing
@@ -67,7 +67,7 @@ def test_ties_keep_every_tied_value_at_the_threshold():
 def test_mixed_rows_greedy_and_filters_in_one_batch():
     """Each row keeps its own settings: a greedy row is argmax whatever its filters; a row with none draws exactly
     what the unfiltered sampler draws (the fused step sampler's token)."""
-    from jphoton.sampling import sample_plain
+    from jphoton.engine.sampling import sample_plain
 
     x = _rows("normal", 6, 3000, seed=9)
     logits, _, kd, idx = _inputs(x)

@@ -1,5 +1,5 @@
 """`jphoton serve --frontends 2`: two gRPC processes on one port (SO_REUSEPORT), each with its own pipe pair to the
-one engine process (server/app.py, server/engine_process.py). Streams equal LLM.generate whichever frontend a
+one engine process (jphoton/server/app.py, jphoton/server/engine_process.py). Streams equal LLM.generate whichever frontend a
 connection lands on, Abort finds a stream that lives on the other frontend, cancels free every page, GetStats and
 /metrics add both frontends up, and stopping ends every process with exit code 0."""
 
@@ -19,10 +19,10 @@ import grpc
 import pytest
 
 from jphoton import LLM, SamplingParams
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import serve
-from server.engine_process import TWO_FRONTENDS_MIN_CPUS, Spawn, default_frontends
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import serve
+from jphoton.server.engine_process import TWO_FRONTENDS_MIN_CPUS, Spawn, default_frontends
 
 from conftest import ENGINE_ARGS, FIXTURES
 

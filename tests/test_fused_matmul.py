@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
-from jphoton.config import ModelConfig
 from jphoton.models import llama
+from jphoton.models.config import ModelConfig
 from jphoton.models.matmul import XlaMatmul, make, resolve
 from jphoton.weights.random_init import random_params
 

@@ -11,12 +11,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("jphoton", "pallas_kernels", "server")
+PACKAGES = ("jphoton", "pallas_kernels")
 
 # Modules the scheduler, the request path and the server's validation use: they must stay free of jax (and of the
 # device), so that they load fast and can be tested and reused without an accelerator stack.
 JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
-            "jphoton.constraints")
+            "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
+            "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config")
 
 
 @pytest.mark.parametrize("module", JAX_FREE)

@@ -1,5 +1,5 @@
-"""JSON schemas as regexes (jphoton/json_regex.py): each regex accepts exactly what llguidance's compact JSON grammar of
-the schema accepts. Checked byte by byte (llguidance over a vocabulary of the 256 bytes against outlines-core's index
+"""JSON schemas as regexes (jphoton/constrain/json_regex.py): each regex accepts exactly what llguidance's compact JSON
+grammar of the schema accepts. Checked byte by byte (llguidance over a vocabulary of the 256 bytes against outlines-core's index
 of the regex: at every prefix of random walks, the same next bytes and the same verdict on the end), token by token on
 the embedded model's tokenizer (the device automaton against llguidance's masks), and on sample documents; schemas
 outside the subset give None."""
@@ -15,9 +15,9 @@ from automaton_walk import compare_walks
 from schemas import COLOURS, PERSON, WEATHER
 
 from benchmarks.constrained import SCHEMA
-from jphoton.json_regex import schema_to_regex
+from jphoton.constrain.json_regex import schema_to_regex
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # as the engine compiles schemas (jphoton/constraints.py)
+JSON_OPTIONS = {"whitespace_flexible": False}  # as the engine compiles schemas (jphoton/constrain/compiler.py)
 
 
 def obj(**props) -> dict:
@@ -167,7 +167,7 @@ def vocab():
     """(token bytes, AutomatonVocab, llguidance tokenizer) of the embedded model, read from its GGUF (no engine)."""
     import llguidance
 
-    from jphoton.automaton import AutomatonVocab, token_bytes
+    from jphoton.constrain.automaton import AutomatonVocab, token_bytes
     from jphoton.weights.embedded import embedded_model_path
     from jphoton.weights.gguf_file import open_gguf, read_config, read_tokenizer
 
@@ -180,7 +180,7 @@ def vocab():
 def build(vocab, schema):
     import llguidance
 
-    from jphoton.automaton import TokenAutomaton
+    from jphoton.constrain.automaton import TokenAutomaton
 
     _, voc, lltok = vocab
     g = grammar(schema)

@@ -147,8 +147,8 @@ def test_serve_tree():
         from jphoton.server import jphoton_pb2 as pb
         from jphoton.server import jphoton_pb2_grpc as pb_grpc
     except ImportError:
-        from server import jphoton_pb2 as pb
-        from server import jphoton_pb2_grpc as pb_grpc
+        from jphoton.server import jphoton_pb2 as pb
+        from jphoton.server import jphoton_pb2_grpc as pb_grpc
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

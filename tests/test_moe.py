@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jphoton import SamplingParams
-from jphoton.config import ModelConfig
 from jphoton.models import llama, moe
+from jphoton.models.config import ModelConfig
 from jphoton.weights import load_model
 from jphoton.weights.random_init import parse_random_spec, random_params
 from pallas_kernels.moe_warp_decode import default_config, moe_reference, moe_warp_decode

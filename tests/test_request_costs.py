@@ -215,7 +215,7 @@ def test_a_long_text_prompt_is_refused_from_a_part_of_it(embedded_llm, monkeypat
 def test_the_tokenizer_helper_process_takes_the_part_too(embedded_llm):
     """Served prompts of >= HELPER_MIN_CHARS are tokenized in a helper process (no GIL held for seconds): a 600 KB text
     is refused there from its 131k-character part."""
-    from jphoton.tokenizer import Tokenizer
+    from jphoton.text.tokenizer import Tokenizer
 
     base = embedded_llm.tokenizer
     tok = Tokenizer(base._tok, bos_token=base.bos_token, eos_token=base.eos_token)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jphoton import SamplingParams
-from jphoton.sampling import sample, seed_key_data
+from jphoton.engine.sampling import sample, seed_key_data
 
 from conftest import FIXTURES, shared_llm
 
@@ -108,7 +108,7 @@ def test_a_row_with_nothing_allowed_gives_a_valid_id():
 
 
 def test_gumbel_noise_is_standard_gumbel_and_independent_across_indices_and_keys():
-    from jphoton.sampling import _gumbel
+    from jphoton.engine.sampling import _gumbel
 
     kd = np.concatenate([np.broadcast_to(seed_key_data(7), (4, 2)), np.broadcast_to(seed_key_data(8), (4, 2))])
     idx = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
@@ -121,7 +121,7 @@ def test_gumbel_noise_is_standard_gumbel_and_independent_across_indices_and_keys
 
 
 def test_noise_is_finite_at_the_ends_of_the_hash_range():
-    from jphoton.sampling import _open_uniform
+    from jphoton.engine.sampling import _open_uniform
 
     h = jnp.asarray([0, 1, 511, 512, 0xFFFFFE00, 0xFFFFFFFF], jnp.uint32)
     u = np.asarray(_open_uniform(h))

@@ -8,7 +8,7 @@ import pytest
 
 from jphoton.params import SamplingParams
 from jphoton.sequence import Sequence
-from jphoton.tokenizer import IncrementalDetokenizer, Tokenizer
+from jphoton.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from conftest import FIXTURES
 

@@ -22,12 +22,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jphoton import SamplingParams
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import ServerThread, serve
-from server.service import SERVICE_NAME
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import ServerThread, serve
+from jphoton.server.service import SERVICE_NAME
 
-SERVER_DIR = pathlib.Path(__file__).parent.parent / "server"
+SERVER_DIR = pathlib.Path(__file__).parent.parent / "jphoton" / "server"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CHAT = "What is 2+2?"
 NEW = 8  # tokens per stream: small, CPU time is the budget
@@ -120,7 +120,7 @@ def test_committed_stubs_match_the_proto_and_import_on_old_runtimes():
     proto_sha = hashlib.sha256((SERVER_DIR / "jphoton.proto").read_bytes()).hexdigest()
     for name in ("jphoton_pb2.py", "jphoton_pb2_grpc.py"):
         text = (SERVER_DIR / name).read_text()
-        assert f"sha256={proto_sha}" in text.splitlines()[1], f"{name} is stale: run server/gen_stubs.sh"
+        assert f"sha256={proto_sha}" in text.splitlines()[1], f"{name} is stale: run jphoton/server/gen_stubs.sh"
     # Generated code refuses runtimes older than its generator: keep it importable with grpcio 1.84 + protobuf 7.36.
     grpc_gen = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (SERVER_DIR / "jphoton_pb2_grpc.py").read_text())
     assert tuple(map(int, grpc_gen.group(1).split("."))) <= (1, 84, 0)
@@ -449,7 +449,7 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
 
 OLD_CLIENT = r"""
 import sys
-from server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
+from jphoton.server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
 import grpc
 assert "logprobs" not in pb.GenerateResponse.DESCRIPTOR.fields_by_name  # really the old stubs
 stub = pb_grpc.EngineStub(grpc.insecure_channel(sys.argv[1]))

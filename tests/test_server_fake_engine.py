@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from jphoton import SamplingParams
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import Server, ServerThread
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import Server, ServerThread
 
 PROMPT = "def fibonacci(n):"
 STREAM_PARAMS = SamplingParams(max_tokens=12, temperature=0, stop=["\n\n"])
@@ -118,7 +118,7 @@ def test_streams_past_the_message_rate_get_a_message_every_few_ticks(rate):
     tick."""
     import multiprocessing as mp
 
-    from server.engine_process import MAX_PACE, EngineLink, EngineProcess
+    from jphoton.server.engine_process import MAX_PACE, EngineLink, EngineProcess
 
     ends = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
     proc = EngineProcess(link=EngineLink(0, 1, ends[0][1], ends[1][0]), max_message_rate=rate)

@@ -25,10 +25,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jphoton.sequence import Delta, RequestOutput
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import ENGINE_FAILED_EXIT, Server, ServerThread, serve
-from server.service import SERVICE_NAME, RequestBounds
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import ENGINE_FAILED_EXIT, Server, ServerThread, serve
+from jphoton.server.service import SERVICE_NAME, RequestBounds
 
 from conftest import ENGINE_ARGS, FIXTURES
 
@@ -346,8 +346,8 @@ def test_the_engine_process_reads_an_adapter_with_the_allowed_dirs():
     import multiprocessing as mp
     import queue
 
-    from server.engine_loop import EngineLoop
-    from server.engine_process import EngineLink, EngineProcess
+    from jphoton.server.engine_loop import EngineLoop
+    from jphoton.server.engine_process import EngineLink, EngineProcess
 
     ends = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
     proc = EngineProcess(link=EngineLink(0, 1, ends[0][1], ends[1][0]))
@@ -389,7 +389,7 @@ def test_a_killed_engine_process_ends_every_call_unavailable_at_once():
     """SIGKILL of the engine process: the in-flight stream ends UNAVAILABLE within 1 s (it was INTERNAL, which a retry
     policy does not retry), health is NOT_SERVING, and every later call, GetStats and GetModelInfo included, is
     UNAVAILABLE (GetStats answered OK with stale numbers)."""
-    from server.engine_process import Spawn
+    from jphoton.server.engine_process import Spawn
 
     build = functools.partial(_build_slowed, dtype="float32", freeze_gc=False, warmup="off", **ENGINE_ARGS)
     handle = serve(Spawn(build), port=0)
@@ -502,8 +502,8 @@ def test_jphoton_serve_exits_non_zero_when_its_engine_dies_or_stalls(how):
 
 SLOW_BUILD = """
 import asyncio, functools, sys
-from server.app import run_until_signal
-from server.engine_process import Spawn
+from jphoton.server.app import run_until_signal
+from jphoton.server.engine_process import Spawn
 # the engine process's build: says so, then takes a minute (a big model loading)
 build = functools.partial(exec, "import sys, time; print('building', file=sys.stderr, flush=True); time.sleep(60)")
 asyncio.run(run_until_signal(Spawn(build), port=0, grace=1))

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from jphoton import LLM, SamplingParams
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import serve
-from server.engine_loop import EngineLoop
-from server.engine_process import EngineProcess, Spawn
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import serve
+from jphoton.server.engine_loop import EngineLoop
+from jphoton.server.engine_process import EngineProcess, Spawn
 
 from conftest import ENGINE_ARGS, FIXTURES, make_llm
 

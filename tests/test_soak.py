@@ -20,9 +20,9 @@ import time
 import grpc
 import pytest
 
-from server import jphoton_pb2 as pb
-from server import jphoton_pb2_grpc as pb_grpc
-from server.app import serve
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server import jphoton_pb2_grpc as pb_grpc
+from jphoton.server.app import serve
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,", "Dear diary, today"]
 OK = grpc.StatusCode.OK

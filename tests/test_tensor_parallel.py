@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jphoton import SamplingParams
+from jphoton.engine.sampling import sample_plain
 from jphoton.models import tensor_parallel as tp
 from jphoton.models.llama import fuse_params, unstack_layers
-from jphoton.sampling import sample_plain
 from jphoton.weights.load import load_model
 from jphoton.weights.random_init import parse_random_spec, random_params
 from tests.conftest import FIXTURES, make_llm, tiny_reference

@@ -49,7 +49,7 @@ class Limits:
     max_schema_properties: int = 1024
     max_choices: int = CHOICE_DEFAULTS[0]  # options of a `choice` (each is scored on an internal sequence of its own)
     # A `choice`'s options as the engine scores them: the sum over options of (tokens + 1, its end), checked once they
-    # are tokenized (engine/choice.py; what the defaults cost: docs/decisions.md)
+    # are tokenized (constrain/choice.py; what the defaults cost: docs/decisions.md)
     max_choice_tokens: int = CHOICE_DEFAULTS[1]
     max_stop_token_ids: int = 1024  # stop_token_ids per request (a set the commit checks every token against)
 
@@ -75,7 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step: decode rows first, then prefill chunks
     max_model_len: int | None = None  # None: the model's limit, at most 8192
     max_logprobs: int = 20  # the largest SamplingParams.logprobs accepted
-    # decode rows one `choice` request's option branches take at once (engine/choice.py): a choice beside other
+    # decode rows one `choice` request's option branches take at once (constrain/choice.py): a choice beside other
     # streams adds at most this many rows to their steps (7: one stream + a choice fill the 8-row bucket; measured on
     # the 2-core CPU box, docs/decisions.md; a GPU's step hardly grows with rows: raise it there)
     max_choice_rows: int = 7
@@ -90,7 +90,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     # shard the model over this many local devices (Megatron tensor parallelism, docs/tensor-parallel.md)
     tensor_parallel_size: int = 1
-    # Constrained decoding on the device (jphoton/automaton.py): regex and JSON-schema constraints that are regular run
+    # Constrained decoding on the device (jphoton/constrain/automaton.py): regular regex and JSON-schema constraints run
     # as token automata in device tables of this many states (int16 next-state rows: 2 bytes x vocabulary a state,
     # 256 MiB at 1,024 states and a 128k vocabulary), sampled inside the step like free rows; 0: every constraint's
     # masks are built on the host by llguidance. (docs/constrained.md)

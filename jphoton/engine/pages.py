@@ -28,7 +28,7 @@ def page_keys(tokens: Sequence[int], page_size: int, num_pages: int, keys: list[
 
 class PagePool:
     """Pages are ints in [0, num_pages). A page may have several owners (refcounts): sequences that share a cached
-    prefix, and a `choice` request's branches, which share their leader's full prompt pages (engine/choice.py). The
+    prefix, and a `choice` request's branches, which share their leader's full prompt pages (constrain/choice.py). The
     device pool has one extra page past the end (`trash_page`) where padding rows write harmlessly."""
 
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False):

@@ -36,10 +36,10 @@ import gc
 import logging
 from collections.abc import Callable
 
-from jphoton.automaton import AutomatonPool, AutomatonState
-from jphoton.constraints import GrammarCompiler
+from jphoton.constrain.automaton import AutomatonPool, AutomatonState
+from jphoton.constrain.choice import ChoiceGroup
+from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compiles
-from jphoton.engine.choice import ChoiceGroup
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
@@ -73,7 +73,7 @@ class Engine:
         self.runner = Runner(model, config, num_pages)
         self.loras = LoraSlots(config.max_loras)
         self.grammar = grammar
-        # Device automata (jphoton/automaton.py): rows of the runner's tables, handed to regular constraints at add
+        # Device automata (jphoton/constrain/automaton.py): rows of the runner's tables, handed to regular constraints at add
         self.automata = AutomatonPool(self.runner.automaton_states) if self.runner.automaton_states else None
         if grammar is not None:
             grammar.use_automata(self.runner.automaton_states)
@@ -103,7 +103,7 @@ class Engine:
                              f"tokens) but the whole pool has {self.pages.num_pages}")
         if seq.params.lora is not None:  # a reference on the adapter's slot until the sequence is released
             seq.lora_slot, seq.lora_key = self.loras.acquire(seq.params.lora)
-        if seq.choice_options is not None:  # scored on one branch per option (engine/choice.py); seq never runs
+        if seq.choice_options is not None:  # scored on one branch per option (constrain/choice.py); seq never runs
             group = ChoiceGroup(seq, seq.choice_options, seq.stop_ids, self.pages.page_size, self._branch_id,
                                 self.config.max_model_len)
             seq.choice_group = group
@@ -208,7 +208,7 @@ class Engine:
             for r in plan.rows:
                 c = r.seq.constraint
                 if c is not None and r.samples and not (c.kind == "forced" and c.forced(r.sample_index)):
-                    grammar_rows += 1  # (a choice branch's row is forced on the device: engine/choice.py)
+                    grammar_rows += 1  # (a choice branch's row is forced on the device: constrain/choice.py)
                     automaton_rows += c.device is not None
         rec.automaton_rows = automaton_rows
         # Automaton rows sample inside the step (its filtered variant reads the device tables) unless the step must be

@@ -20,10 +20,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jphoton
-from jphoton.constraints import mask_words
+from jphoton.constrain.compiler import mask_words
 from jphoton.engine import sharded
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.packing import StepPacker
+from jphoton.engine.sampling import seed_key_data
 from jphoton.engine.scheduler import CONSTRAINED, FILTERS, LOGPROBS, LORA, StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
@@ -37,7 +38,6 @@ from jphoton.engine.step import (
 from jphoton.engine.telemetry import StepRecord
 from jphoton.models import lora as lora_lib
 from jphoton.models import tensor_parallel
-from jphoton.sampling import seed_key_data
 
 log = logging.getLogger("jphoton.engine")
 
@@ -111,8 +111,8 @@ class Runner:
         self.kv = (self._zeros(shape, dtype, kv_sharding), self._zeros(shape, dtype, kv_sharding))
         self.kv_bytes = 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize  # all shards together
         K = self.max_logprobs
-        # Device automata (jphoton/automaton.py): next-state and mask tables, row 0 the free state (every token allowed,
-        # every token back to 0). Not under tensor parallelism (the masks would need the vocabulary shards).
+        # Device automata (jphoton/constrain/automaton.py): next-state and mask tables, row 0 the free state (every token
+        # allowed, every token back to 0). Not under tensor parallelism (the masks would need the vocabulary shards).
         self.automaton_states = config.automaton_states if self.tp is None else 0
         self.mask_words = mask_words(cfg.vocab_size)
         self.automaton = None
@@ -481,7 +481,7 @@ class Runner:
                 self.kv = self._copy_pages(self.kv, idx)
 
     def write_automaton(self, offset: int, next_state: np.ndarray, mask: np.ndarray) -> None:
-        """Write an automaton's rows (jphoton/automaton.py: next_state [S, V] local int32, -1 = not allowed; mask
+        """Write an automaton's rows (jphoton/constrain/automaton.py: next_state [S, V] local int32, -1 = not allowed; mask
         [S, W]) at rows offset .. offset + S - 1 of the device tables, in chunks of one compiled shape, ordered after
         every step already dispatched (rows being rewritten are no live request's, engine/pipeline.py)."""
         S, V = next_state.shape

@@ -336,7 +336,7 @@ class Scheduler:
         return DecodeRows(seqs, starts, tokens, carries, samples), flags
 
     def _admit_branches(self, step_id: int, planned: set[int]) -> list[tuple[int, int]]:
-        """Admit waiting `choice` branches (engine/choice.py) as decode rows, with no prefill: a branch maps the prompt
+        """Admit waiting `choice` branches (constrain/choice.py) as decode rows, with no prefill: a branch maps the prompt
         pages of a source that holds them (the leader, a branch admitted so, or the group's template) but the last
         (read-only, refcounted), gets a copy of that one (run before this step: `StepPlan.page_copies`), and its first
         row recomputes the prompt's last position, whose logits score the option's first token. So a branch costs one
@@ -481,7 +481,7 @@ class Scheduler:
 
     def _map_prefix(self, s: Sequence) -> bool:
         """Before admitting s: map the KV pages it can reuse onto its (empty) block table. A `choice` branch
-        (engine/choice.py) maps its leader's full prompt pages once the leader's prefill of them is launched (later
+        (constrain/choice.py) maps its leader's full prompt pages once the leader's prefill of them is launched (later
         steps run after it on the device, so their attention reads the written KV); until then False (wait). A leader
         that is gone leaves the branch to the prefix cache or its own prefill. The mapping is undone if s is not
         admitted after all."""

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jphoton.constrain.choice import FORCED_SET
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
-from jphoton.engine.choice import FORCED_SET
+from jphoton.engine.sampling import sample, sample_plain, top_logprobs
 from jphoton.engine.scheduler import StepShape
 from jphoton.engine.slots import NONFINITE
 from jphoton.models.lora import LoraInputs
-from jphoton.sampling import sample, sample_plain, top_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     lora: the step's LoRA variant, for steps with a row that uses an adapter: each token gets its row's slot's update
     from `lora_weights` (models/lora.py); steps with none run the base program (no LoRA op in it).
     automaton: (next_state [S, V] int16, mask [S, W] int32, prev_states [max_rows] int32), the device automata
-    (jphoton/automaton.py; the filtered variant only): each row samples under its state's mask, and the state after
+    (jphoton/constrain/automaton.py; the filtered variant only): each row samples under its state's mask, and the state after
     its token goes to out_states (donated), which the next step reads as prev_states.
     tp: one shard of a tensor-parallel step, inside shard_map (models/tensor_parallel.py; the runner wraps it): the
     forward and logits are the shard's, kv and out_logits its slices (KV heads, vocabulary); the sampler reduces across
@@ -239,7 +239,7 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     the buffer is donated and persistent, so the step that reads it always finds it at the same address, and nothing
     is allocated per step). Every row is re-sampled
     from its own key, so a free row draws what the fused sampler drew. A *forced* row (n forced > 0: a `choice`
-    branch, engine/choice.py) takes the likeliest of its n candidates, whatever was drawn: its next token is known on
+    branch, constrain/choice.py) takes the likeliest of its n candidates, whatever was drawn: its next token is known on
     the host when the step is planned, so it needs no mask and no wait for a commit; its logprob scores the option.
     Logprobs are those of the raw model distribution (before temperature and mask). Returns (tokens, logprobs,
     top_ids, carrier_buf)."""

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 from jphoton.models.layers import apply_rope, dense, rms_norm
 
 Params = dict[str, Any]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.config import ModelConfig
 from jphoton.models import lora as lora_lib
 from jphoton.models import qwen3_moe, tensor_parallel
+from jphoton.models.config import ModelConfig
 from jphoton.models.decoder import Attend, Params, attention_projections
 from jphoton.models.layers import rms_norm, rope_inv_freq, silu_mul
 from jphoton.models.matmul import PlainMatmul, swiglu_of

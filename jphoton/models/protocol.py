@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.config import ModelConfig
 from jphoton.models import llama, moe, tensor_parallel
 from jphoton.models import matmul as matmul_hook
+from jphoton.models.config import ModelConfig
 
 
 @dataclasses.dataclass

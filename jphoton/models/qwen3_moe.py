@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jphoton.config import ModelConfig
 from jphoton.models import moe
+from jphoton.models.config import ModelConfig
 from jphoton.models.decoder import Attend, Params, attention_projections
 from jphoton.models.layers import dense, rms_norm, rope_inv_freq, swiglu
 

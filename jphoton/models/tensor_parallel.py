@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 
 AXIS = "tp"
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jphoton.config import ModelConfig
 from jphoton.models import tensor_parallel as tp
+from jphoton.models.config import ModelConfig
 from jphoton.models.llama import layer_groups, param_shapes
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from jphoton.config import ModelConfig, RopeScaling
-from jphoton.tokenizer import Tokenizer
+from jphoton.models.config import ModelConfig, RopeScaling
+from jphoton.text.tokenizer import Tokenizer
 from jphoton.weights.assemble import assemble_params
 
 log = logging.getLogger("jphoton.weights")

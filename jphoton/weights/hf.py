@@ -9,7 +9,7 @@ import re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 from jphoton.weights.assemble import assemble_params
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

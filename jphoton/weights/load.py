@@ -10,9 +10,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 from jphoton.models.llama import check_params
-from jphoton.tokenizer import Tokenizer
+from jphoton.text.tokenizer import Tokenizer
 from jphoton.weights import hf, store
 from jphoton.weights.embedded import embedded_model_path
 from jphoton.weights.random_init import parse_random_spec, random_params

@@ -24,7 +24,7 @@ import re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 from jphoton.models.lora import TARGETS, target_dims
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"

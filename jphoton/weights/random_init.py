@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphoton.config import ModelConfig, RopeScaling
 from jphoton.models import tensor_parallel as tp
+from jphoton.models.config import ModelConfig, RopeScaling
 from jphoton.models.llama import FUSIONS, param_shapes
 
 _LLAMA3_SCALING = RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jphoton.config import ModelConfig
+from jphoton.models.config import ModelConfig
 from jphoton.models.llama import param_shapes
-from jphoton.tokenizer import Tokenizer
+from jphoton.text.tokenizer import Tokenizer
 
 MARKER = "jphoton_model.json"
 FORMAT = 1

@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jphoton import sampling  # noqa: E402
+from jphoton.engine import sampling  # noqa: E402
 from pallas_kernels.filtered_sample import filtered_sample  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from llguidance.numpy import fill_next_token_bitmask_par  # noqa: E402
 
 from benchmarks.constrained import SCHEMA  # noqa: E402
-from jphoton.constraints import JSON_OPTIONS, mask_words  # noqa: E402
+from jphoton.constrain.compiler import JSON_OPTIONS, mask_words  # noqa: E402
 from jphoton.weights import load_model  # noqa: E402
 
 DOCS = ['{"id":99999,"name":":","tags":["gamma"],"active":false,"address":{"city":":","zip":"99999"}}',
@@ -37,7 +37,7 @@ def main() -> None:
     if a.tokenizer:
         import pathlib
 
-        from jphoton.tokenizer import Tokenizer
+        from jphoton.text.tokenizer import Tokenizer
 
         tok = Tokenizer.from_hf_dir(pathlib.Path(a.tokenizer))
     else:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jphoton.params import SamplingParams
 
-log = logging.getLogger("jphoton.constraints")
+log = logging.getLogger("jphoton.constrain.compiler")
 
 # Compact JSON: a small model left free to choose whitespace can indent forever instead of closing the object.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -61,12 +61,12 @@ class GrammarCompiler:
         self._limits = None
         self.fill_mode = fill_mode  # "auto" becomes "parallel" or "serial" once measured
         self.fill_trials: dict[str, list[float]] = {"parallel": [], "serial": []}  # seconds per row, while "auto"
-        self.automata = None  # jphoton.automaton.AutomatonCache once the engine has device tables (`use_automata`)
+        self.automata = None  # jphoton.constrain.automaton.AutomatonCache once the engine has device tables (`use_automata`)
         self._automata_states = 0
 
     def use_automata(self, table_states: int) -> None:
         """The engine keeps device automaton tables of this many states (0: none): regular constraints get an
-        automaton (built on first use, jphoton/automaton.py)."""
+        automaton (built on first use, jphoton/constrain/automaton.py)."""
         self._automata_states = table_states if self._tokenizer is not None else 0
 
     def _llguidance(self):
@@ -98,7 +98,7 @@ class GrammarCompiler:
 
     def compile(self, params: SamplingParams, wait_automaton: bool = False) -> Constraint | None:
         """Compile the request's constraint; a bad schema/regex/grammar is a ValueError here, at submission. A `choice`
-        compiles to nothing: its options are scored as sequences (engine/choice.py). wait_automaton: build the device
+        compiles to nothing: its options are scored as sequences (constrain/choice.py). wait_automaton: build the device
         automaton now if the constraint has one (by default the first request starts its build and is served by
         llguidance meanwhile)."""
         spec = params.constraint
@@ -137,7 +137,7 @@ class GrammarCompiler:
             elif kind == "grammar":
                 grammar = llg.grammar_from("grammar", value)  # Lark as is, GBNF converted to Lark
             else:
-                raise AssertionError("choice is scored by the engine (engine/choice.py), not compiled")
+                raise AssertionError("choice is scored by the engine (constrain/choice.py), not compiled")
         except ValueError as e:  # llguidance's messages may quote the whole input: keep the start
             raise ValueError(f"invalid {kind}: {_cut(str(e))}") from None
         except RecursionError:
@@ -157,7 +157,7 @@ class GrammarCompiler:
     def _automaton(self, kind: str, value: str, wait: bool, oracle):
         """The constraint's device automaton if it is built (the first request with a constraint starts the build on a
         background thread and is served by llguidance meanwhile), else None."""
-        from jphoton import automaton as A
+        from jphoton.constrain import automaton as A
 
         if self.automata is None:
             tokens = A.token_bytes(self._tokenizer)
@@ -168,7 +168,7 @@ class GrammarCompiler:
             self.automata = A.AutomatonCache(A.AutomatonVocab(tokens, self.vocab_size, tuple(self._eos)),
                                              max_states=self._automata_states - 1)
         if kind == "json_schema":
-            from jphoton.json_regex import schema_to_regex
+            from jphoton.constrain.json_regex import schema_to_regex
 
             regex = schema_to_regex(value)
             if regex is None:
@@ -243,11 +243,11 @@ class Constraint:
         self.kind = kind
         self._matcher = matcher
         self._make_matcher = make_matcher  # (grammar, matcher) on first use, when `matcher` is None
-        # A regular constraint's device automaton (jphoton/automaton.py), if built; `device` once the engine placed it
+        # A regular constraint's device automaton (jphoton/constrain/automaton.py), if built; `device` once the engine placed it
         # in its tables: the row then samples on the device and the matcher is not used.
         self.automaton = None
         self.automaton_key = None
-        self.device = None  # jphoton.automaton.AutomatonState
+        self.device = None  # jphoton.constrain.automaton.AutomatonState
 
     @property
     def matcher(self):

@@ -37,10 +37,10 @@ from google.protobuf.message import DecodeError
 from jphoton.async_llm import AsyncLLM
 from jphoton.engine.config import Limits
 from jphoton.params import SamplingParams, text_size_error
-from server import jphoton_pb2 as pb
-from server.engine_loop import request_limits
-from server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
-from server.metrics import Metrics
+from jphoton.server import jphoton_pb2 as pb
+from jphoton.server.engine_loop import request_limits
+from jphoton.server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
+from jphoton.server.metrics import Metrics
 
 log = logging.getLogger("jphoton.server")
 

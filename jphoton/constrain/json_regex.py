@@ -1,4 +1,4 @@
-r"""A JSON schema as a regex, for the device automata (jphoton/automaton.py): the regex accepts exactly the documents
+r"""A JSON schema as a regex, for the device automata (jphoton/constrain/automaton.py): the regex accepts exactly the documents
 that llguidance's compact JSON grammar of the schema accepts (`whitespace_flexible: False`: no whitespace, separators
 "," and ":", properties in the schema's order), so that outlines-core can compile the schema into a token DFA.
 

@@ -1,7 +1,7 @@
 """Grammar automata for the device: a regular constraint as a token-level DFA whose tables live on the GPU, so that a
 constrained row samples inside the step like a free row (no host mask, no deferred sampler). Plain Python and numpy.
 
-A regex (or a JSON schema that `jphoton.json_regex` turns into one) is compiled by outlines-core (Rust; it walks every
+A regex (or a JSON schema that `jphoton.constrain.json_regex` turns into one) is compiled by outlines-core (Rust; it walks every
 vocabulary entry's bytes through the regex's byte-level DFA) into `TokenAutomaton`: for each state, the bitmask of the
 tokens allowed there (the layout llguidance's masks use: bit v % 32 of word v // 32) and each allowed token's next
 state. The engine keeps llguidance as the reference and the path for everything else (Lark grammars, regexes whose
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-log = logging.getLogger("jphoton.constraints")
+log = logging.getLogger("jphoton.constrain.compiler")
 
 FREE_STATE = 0  # the device tables' row for rows without an automaton: every token allowed, every token goes back to 0
 
@@ -138,7 +138,7 @@ def regex_index(regex: str, vocab: AutomatonVocab, memory_bytes: int = INDEX_MEM
 
     payload = pickle.dumps((regex, vocab.eos, vocab.by_bytes, memory_bytes))
     try:
-        done = subprocess.run([sys.executable, "-m", "jphoton.automaton"], input=payload, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "jphoton.constrain.automaton"], input=payload, capture_output=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return f"index build over {timeout_s:.0f} s"

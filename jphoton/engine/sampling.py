@@ -15,7 +15,7 @@ import numpy as np
 from pallas_kernels.common import log_once
 from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla
 
-log = logging.getLogger("jphoton.sampling")
+log = logging.getLogger("jphoton.engine.sampling")
 
 
 def seed_key_data(seed) -> np.ndarray:

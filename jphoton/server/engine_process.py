@@ -51,7 +51,7 @@ from typing import Any
 from jphoton.async_llm import ChatPrompt, Rejected
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
-from server.engine_loop import HEARTBEAT_S, LORA_WAIT_S, LoraError, child_main, lora_error
+from jphoton.server.engine_loop import HEARTBEAT_S, LORA_WAIT_S, LoraError, child_main, lora_error
 
 __all__ = ["DEFAULT_TICK_TIMEOUT", "HEARTBEAT_S", "LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError",
            "Rejected", "Spawn", "default_frontends", "lora_error"]

@@ -3,7 +3,7 @@
 Life cycle: the port opens first with health NOT_SERVING (load balancers and `grpc_health_probe` see the process but
 send nothing), the model is loaded and warmed up (every step shape compiled) in a worker thread, then health turns
 SERVING. Shutdown is the reverse: health NOT_SERVING, new calls refused, in-flight streams drained for a grace period
-(then cancelled), the engine loop stopped. An engine that dies or stalls (server/engine_process.py's watchdog; the
+(then cancelled), the engine loop stopped. An engine that dies or stalls (jphoton/server/engine_process.py's watchdog; the
 in-process engine thread: `_watch_in_process`) turns health NOT_SERVING at once and every call UNAVAILABLE;
 `jphoton serve` (`run_until_signal`, and each frontend process) then exits with ENGINE_FAILED_EXIT, so that a process
 supervisor restarts it.
@@ -27,10 +27,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.engine_loop import exit_with_parent
-from server.engine_process import DEFAULT_MAX_MESSAGE_RATE, DEFAULT_TICK_TIMEOUT, EngineDied, EngineLink, EngineProcess, Spawn
-from server.metrics import Metrics
-from server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
+from jphoton.server.engine_loop import exit_with_parent
+from jphoton.server.engine_process import (
+    DEFAULT_MAX_MESSAGE_RATE,
+    DEFAULT_TICK_TIMEOUT,
+    EngineDied,
+    EngineLink,
+    EngineProcess,
+    Spawn,
+)
+from jphoton.server.metrics import Metrics
+from jphoton.server.service import SERVICE_NAME, Admission, EngineServicer, method_handlers
 
 log = logging.getLogger("jphoton.server")
 

@@ -1,4 +1,4 @@
-"""The engine process's side of server/engine_process.py (whose docstring describes the transport): build the LLM,
+"""The engine process's side of jphoton/server/engine_process.py (whose docstring describes the transport): build the LLM,
 tell every frontend it is ready, then run the loop that drains commands, steps the LLM and sends each frontend one
 list of events per tick, until every frontend has sent "shutdown" or gone.
 """
@@ -59,7 +59,7 @@ def lora_error(llm, e: BaseException) -> LoraError:
 
 
 def request_limits(llm) -> dict:
-    """What the gRPC frontend checks a request against before it parses the request in full (server/service.py
+    """What the gRPC frontend checks a request against before it parses the request in full (jphoton/server/service.py
     RequestBounds): LLM.text_limits() (max_prompt_bytes, bytes_per_token, max_model_len) and EngineConfig.limits."""
     return {**llm.text_limits(), **dataclasses.asdict(llm.engine_config.limits)}
 

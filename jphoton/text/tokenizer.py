@@ -96,13 +96,13 @@ class Tokenizer:
         self._helper_wanted = True
 
     def _encode_far(self, text: str) -> list[int] | None:
-        """Token ids from the helper process (jphoton/tokenize_helper.py; one text at a time), or None if it failed."""
-        from jphoton.tokenize_helper import read_message, write_message
+        """Token ids from the helper process (jphoton/text/helper.py; one text at a time), or None if it failed."""
+        from jphoton.text.helper import read_message, write_message
 
         with self._helper_lock:
             try:
                 if self._helper is None:
-                    self._helper = subprocess.Popen([sys.executable, "-m", "jphoton.tokenize_helper"],
+                    self._helper = subprocess.Popen([sys.executable, "-m", "jphoton.text.helper"],
                                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                     write_message(self._helper.stdin, self._tok.to_str().encode())
                 write_message(self._helper.stdin, text.encode("utf-8", "surrogatepass"))
@@ -213,7 +213,7 @@ class Tokenizer:
 
 
 def _byte_level_alphabet():
-    from jphoton.automaton import _bytes_to_unicode
+    from jphoton.constrain.automaton import _bytes_to_unicode
 
     return _bytes_to_unicode()
 
