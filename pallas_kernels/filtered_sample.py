@@ -14,7 +14,7 @@ Sampling is Gumbel-max: the token is the argmax of `noisy = scaled + gumbel` ove
   restricted distribution, so each candidate is accepted with probability >= top_p (one or two sweeps at top_p = 0.9).
   Every sweep also halves a bisection bracket on tau, so no row takes more than 32 sweeps whatever its distribution.
 
-Exactly the kept set of the sort-based reference (jphoton/sampling.py `_filter_top_k_top_p`) up to float summation
+Exactly the kept set of the sort-based reference (jphoton/engine/sampling.py `_filter_top_k_top_p`) up to float summation
 order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
 the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
 token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
