@@ -1,14 +1,11 @@
-"""Residual add + RMSNorm after a split-K GEMV, as one Pallas (Triton backend) kernel, plus a plain-jnp reference.
+"""Residual add + RMSNorm after a split-K GEMV, as one Pallas (Triton) kernel, plus a plain-jnp reference.
 
-A decoder layer ends each sublayer with `h = h + x @ W` and then normalises h for the next matmul. In a decode step
-those are tiny ([M, D] with M a few rows) and XLA runs them as two kernels (the add, then the norm, each ~1.3-1.8 us
-on the H100, mostly launch and ramp: RESULTS.md, the 1B step kernel by kernel), plus a third to sum the GEMV's split-K
-partials. This kernel takes the partials as the GEMV wrote them (`gemv(..., partials=True)`: float32 [S, M, D]) and
-does all three: one program per row sums the S partials, rounds the product to h's dtype (as the dot's output would
-be), adds it to h, and normalises the result, writing both h and the normed row.
-
-Numerics follow jphoton/models/layers.py op for op (fp32 statistics; the normed row rounded to h's dtype before the
-weight multiplies; every bf16 op rounded once), so the fused path computes what the XLA path computes.
+It takes the GEMV's partials as written (`gemv(..., partials=True)`: float32 [S, M, D]); one program per row sums them,
+rounds the product to h's dtype (as the dot's output would be), adds it to h and normalises, writing both h and the
+normed row: the split-K sum, the add and the norm in one kernel. Numerics follow jphoton/models/layers.py op for op
+(fp32 statistics; the normed row rounded to h's dtype before the weight multiplies; every bf16 op rounded once), so
+the fused path computes what the XLA path computes.
+Why: docs/kernels.md, "Residual add + RMSNorm"; numbers: docs/decisions.md, "Decode step on the device".
 """
 
 from __future__ import annotations

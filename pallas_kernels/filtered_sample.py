@@ -1,29 +1,12 @@
-"""Top-k / top-p sampling without sorting the vocabulary: a threshold search with early exit. On the GPU: XLA
-reductions over the whole batch first (`prephase`: settles most top-p rows), then one Pallas (Triton) kernel in which
-several programs share each row; elsewhere, row-vectorised `lax.while_loop`s. Both run the same per-row logic
-(`_select_row`).
+"""Top-k / top-p sampling without sorting the vocabulary: a threshold search with early exit, over Gumbel-max noise.
+On the GPU, XLA reductions over the batch first (`prephase`: settles most top-p rows), then one Pallas (Triton) kernel
+in which several programs share each row; elsewhere, row-vectorised `lax.while_loop`s; both run `_select_row`.
 
-Sampling is Gumbel-max: the token is the argmax of `noisy = scaled + gumbel` over the kept set S. S is an upper set of
-`scaled` (the top-k, then the smallest nucleus of mass >= top_p), so it is {scaled >= tau} for one threshold tau, and:
-
-- top-k: tau_k is the k-th largest value, found by bisection over the values' int32 order keys with a count per sweep
-  (several probes a sweep; it stops early when a probe counts exactly k);
-- top-p, by rejection: take the candidate c = argmax of `noisy` over the current upper set; c is in S iff the mass
-  strictly above scaled[c] is < top_p * Z_k (Z_k: the mass of the top-k set), one sweep. A rejected c moves the lower
-  bound above scaled[c] (S lies above it), and the next candidate is the argmax over what is left: the sample of the
-  restricted distribution, so each candidate is accepted with probability >= top_p (one or two sweeps at top_p = 0.9).
-  Every sweep also halves a bisection bracket on tau, so no row takes more than 32 sweeps whatever its distribution.
-
-Exactly the kept set of the sort-based reference (jphoton/engine/sampling.py `_filter_top_k_top_p`) up to float summation
-order and exact ties at the top-k boundary (tied values are kept here and in the reference's final mask alike, but
-the reference's nucleus mass leaves the tied extras out). Noise is the caller's, so the same seed draws the same
-token as the reference whenever their kept sets agree. A sort over [32, 128256] float32 took 0.99 ms on the H100
-(6e55017:lab/probes/topp_cost.py); this, 0.065 ms at top_p 0.9 and 0.12 ms at top_k 50 (docs/decisions.md for the variants).
-
-The programs of a row meet at a spin barrier once per sweep, so all of them must be resident at once: the kernel
-launches at most one program per SM (`programs_per_row`), on the engine's one compute stream. A GPU whose SMs are
-partly held by other work (another process under MPS, a kernel on another stream) could leave a program waiting for
-an SM that its row's spinning programs never free; there, pass `programs=1`.
+Invariants: the kept set is the sort-based reference's (jphoton/engine/sampling.py `_filter_top_k_top_p`) up to float
+summation order and exact ties at the top-k boundary; the noise is the caller's, so a seed draws the reference's token
+whenever the kept sets agree; no row takes more than 32 sweeps. A row's programs meet at a spin barrier, so all must be
+resident: at most one per SM (`programs_per_row`), on one stream; where other work holds SMs (MPS), pass `programs=1`.
+Algorithm: docs/kernels.md, "Filtered sampling"; numbers: docs/decisions.md, "Top-k / top-p sampling without a sort".
 """
 
 from __future__ import annotations

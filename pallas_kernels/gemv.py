@@ -1,31 +1,12 @@
 """Skinny matmul for decode ("GEMV"): y [M, N] = x [M, K] @ W, M a few tokens (<= MAX_ROWS), W bf16, as one Pallas
-(Triton backend) kernel, plus a plain-jnp reference.
+(Triton) kernel built for read bandwidth, plus a plain-jnp reference.
 
-Why: a decode step multiplies 1-64 activation rows by every weight matrix once, so its time is the time to read the
-weights from HBM. On the H100 XLA's decode dots reached only 0.84-1.85 TB/s of ~3.1 (../shared/NOTES.md "Numbers
-measured on the H100"): cuBLAS/Triton GEMM configs are tuned for FLOPs, with too few CTAs or too little in flight for a
-[K, N] matrix and 1-32 rows. This kernel is designed for bandwidth only:
-
-  grid (n-block, k-split): program (j, s) owns output columns n0:n0+BN and the K range s*Ks:(s+1)*Ks. It streams its
-      [BK, BN] weight tiles (contiguous rows of BN elements; [BN, BK] tiles of contiguous K for a transposed [N, K]
-      weight such as a tied embedding used as the LM head) in a K loop that Triton's software pipeliner keeps
-      `num_stages` tiles deep, or (`unroll`) as straight-line code whose loads can all be issued up front. The few
-      activation rows ride along (a [Mp, BK] tile, from L2), padded to 16 rows by masked loads for `pl.dot` (tensor
-      cores: bf16 operands, fp32 accumulation), or (`mode="fma"`, for M <= 4) multiplied and reduced in fp32 row by row
-      on the CUDA cores, with no padding.
-  split-K: narrow matrices (wo 2048x2048, w_down 8192x2048 in Llama-3.2-1B) have too few column blocks to give 132 SMs
-      several programs each; `split` programs share a column block, each writing an fp32 partial [split, M, N] that
-      jnp sums afterwards (M*N*4 bytes per split: small next to the weights, and deterministic, unlike atomics, so
-      greedy decoding stays reproducible run to run).
-  stacked weights: W may be [L, K, N] with a traced `layer` index, so a layer loop never slices the stack into a copy
-      (an XLA slice feeding a custom call is materialised: it would double the weight traffic).
-
-Config per (M, K, N): `default_config`, the measured winners of the sweep in benchmarks/decode_matmul.py on the H100.
-Output dtype: x.dtype, or float32 (`out_dtype`, the LM head).
-
-Like pallas_kernels/moe_warp_decode.py: Triton backend because it runs in interpret mode on the CPU (jax 0.10.2, the
-tests) and compiles on the H100 (jax 0.11.2) with masked loads and stores, so odd sizes need no padding copies.
-Interpret mode cannot mix array indices with slices in one load/store, so every ref is indexed by scalars + `pl.ds`.
+Grid (n-block, k-split): a program streams its weight tiles ([BK, BN], or [BN, BK] of a transposed [N, K] weight such
+as a tied embedding as the LM head) with the few activation rows alongside, on tensor cores (`pl.dot`) or, with
+`mode="fma"` for M <= 4, on the CUDA cores. Split-K partials are fp32 [split, M, N], summed by jnp (deterministic: no
+atomics) or returned (`partials=True`, for add_rms_norm). W may be a stack [L, K, N] with a traced `layer`, never
+sliced into a copy. Output dtype: x.dtype, or `out_dtype` (the LM head). Configs: `default_config`.
+Design: docs/kernels.md, "GEMV"; numbers: docs/decisions.md, "Decode step on the device".
 """
 
 from __future__ import annotations

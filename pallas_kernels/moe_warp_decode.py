@@ -1,46 +1,12 @@
-"""Warp decode: an output-centric MoE layer for decode-sized batches, as two Pallas kernels, plus a float32 reference.
+"""Warp decode: an output-centric MoE layer for decode-sized batches, as two Pallas (Triton) kernels, plus a float32
+reference.
 
-The expert-centric way to run a MoE layer (sort (token, expert) pairs by expert, grouped GEMM, weighted combine) moves
-activations through gather/scatter/combine buffers and pads or launches per expert; at decode sizes (a few to a few
-dozen tokens) its plain-JAX versions ran 4-25x above the time it takes to read the touched experts' weights once on an
-H100 (../shared/NOTES.md). Here every program owns *output rows* and streams exactly the weight rows that produce them:
-
-  gate_up   program (f-block, slot): a slot is one routed expert e. It owns intermediate rows f0:f0+BF of e, streams
-            those gate and up weight rows (bf16, contiguous along the hidden dim) in BK-wide chunks together with the
-            activations of *every* token routed to e (rows of tokens not routed to e are masked off, so they cost no
-            memory traffic), accumulates both dot products in fp32 and writes SiLU(gate) * up for each (token, e) pair
-            into its row of h [T*K, F] (fp32, indexed by pair t*K + k). Tokens that share an expert are served by the
-            same program, so each weight row is read once per step.
-  down      program (token t, d-block): owns output rows d0:d0+BD of token t. It loops over t's top-k experts and the
-            intermediate dim in chunks (one flat loop, so the compiler can pipeline it), folds the routing weight into
-            the h chunk and adds into a single fp32 accumulator; one write of y[t, d0:d0+BD]. Programs of one d-block
-            for all tokens are adjacent in the launch order (token is grid axis 0), so when tokens share an expert its
-            rows are read from HBM once and served from L2 to the others.
-
-There is no per-expert padding and no gather/scatter/combine buffer: h is one fp32 row per (token, expert) pair, and
-the only preprocessing is, for small batches, a one-fusion dedup of the routed experts into slots.
-
-Slots: "pairs" mode gives one slot per (token, k) pair (a repeated expert's later slots are marked -1 and exit at
-once), which for one token is exactly its k experts; "experts" mode gives one slot per expert (experts no token routed
-to exit at once). "auto" takes pairs while T*K < E / 2.
-
-Why the Pallas Triton backend (`pl.pallas_call` + `jax.experimental.pallas.triton`) and not Mosaic GPU (`plgpu.kernel`):
-  * it runs in interpret mode on the CPU (jax 0.10.2, CI) and compiles on the H100 (jax 0.11.2), with masked loads and
-    stores, so odd sizes need no padding copies; both kernels are GEMV-shaped streams with a data-dependent base
-    pointer (the expert id read from a ref), which Triton expresses as pointer arithmetic, and its software pipeliner
-    (`num_stages`) keeps several weight tiles in flight per program without hand-written barriers;
-  * Mosaic GPU's warp/warpgroup model wants SMEM staging through TMA/cp.async with explicit barriers and layouts; a
-    gather of token rows and per-row masks are awkward there, and the interpret-mode story on 0.10.2 goes through a
-    different interpreter. The Triton backend is deprecated in 0.11 but works; a Mosaic GPU port is the fallback if it
-    is removed (the data layout and grid above carry over: one warpgroup per program).
-  * Whether this reaches the issue's targets on the H100 is for benchmarks/moe_decode.py to say (benchmarks/RESULTS.md);
-    the tile configuration per batch size (`default_config`) is a first guess until its `--sweep` has run there.
-  * Interpret mode cannot mix array indices with slices in one load/store, so gathers/scatters here use full array
-    indices (h rows) and everything else uses scalar + `pl.ds` indexing (which is also what Triton analyses best).
-
-Layouts (per layer; a leading layer axis [L, ...] with a `layer` index is accepted so stacked weights are never sliced
-into a copy): w_gate, w_up [E, F, D] and w_down [E, D, F], i.e. HF's Linear [out, in] per expert, so every weight row
-an output element needs is contiguous.
+`gate_up`: a program owns intermediate rows of one routed expert (a slot) for every token routed to it, so each
+weight row is read once a step; `down`: a program owns output rows of one token and sums over its top-k experts.
+No per-expert padding, no gather/scatter/combine buffer: h is one fp32 row per (token, expert) pair. Slots: "pairs",
+"experts", or "auto" (pairs while T*K < E / 2). Weights w_gate, w_up [E, F, D] and w_down [E, D, F] (HF's [out, in]
+per expert), or [L, ...] stacks with a traced `layer`, never sliced into a copy.
+Design: docs/kernels.md, "Warp decode for MoE"; numbers: docs/decisions.md, "Prefix caching, LoRA, tensor parallelism, MoE".
 """
 
 from __future__ import annotations

@@ -1,52 +1,12 @@
-"""Paged decode attention: one query token per row over its paged KV cache, as a Pallas kernel, plus a jnp reference.
+"""Paged decode attention: one query token per row over its paged KV cache, as a Pallas (Triton) kernel, plus a jnp
+reference (`paged_decode_attention_reference`, the float32 oracle).
 
-The engine's plain-JAX paths (jphoton/engine/attention.py) either gather the whole context bucket of every row into a
-[R, C, Hkv, hd] copy in XLA and softmax over it (`paged_attention_static`: the cost follows the *bucket*, up to 4x the
-real context, and the gather writes and re-reads the KV bytes), or loop in an XLA `while_loop` whose predicate goes to
-the host every iteration on a GPU (`paged_attention`). Here one kernel reads each visible key/value exactly once,
-straight from the pool, and its loop follows each row's own length:
-
-  grid      (row r, KV head h, split s). A program owns one KV head and *all* G = Hq / Hkv query heads of it (GQA), so
-            every K/V tile it loads serves G queries; the tiles of one row and head are read by exactly one program.
-  split     a row's visible key range [lo, hi) (lo = 0, or hi - sliding_window) is cut into `splits` contiguous runs of
-            `block_tokens`-token blocks, as equal as the row's *own* length allows (the split bounds are computed in the
-            kernel from ctx_len, so a short row in a long-context batch still spreads over all splits; splits past the
-            row's end exit at once). Each split writes its partial (m, l, acc) in fp32 and a jnp combine merges them
-            (flash-decoding; merging them in the kernel through atomic counters was measured slower,
-            docs/decisions.md). With one split the kernel normalises and writes the output itself (no combine).
-  loop      an online softmax over the split's blocks: a `fori_loop` whose bounds come from ctx_len, read from a scalar
-            ref. (A data-dependent loop is fine inside a GPU kernel; it is an XLA `while_loop` that syncs the host.)
-  gather    a block of `block_tokens` positions reads its page ids from the block table (one small cached load, page id
-            repeated per position), forms the pool slots page * page_size + offset and loads K and V [block, hd] tiles
-            with full array indices: pages are gathered *inside* the kernel, no copy of K/V is made in XLA. Each
-            position's hd values are contiguous (128 B for bf16 hd 64), so the loads coalesce per row. The page size
-            need not be a power of two or divide the block: the arithmetic is per position.
-  layer     the stacked pool [L, slots, Hkv, hd] is indexed with a traced layer scalar, never sliced into a copy.
-  dots      scores = q [Gp, hd] . K^T and acc += p [Gp, block] . V run on tensor cores (`dot_general`, fp32
-            accumulation). Triton's dot needs every dimension >= 16, so the G query heads of a KV head are padded to
-            Gp = max(16, pow2(G)) rows inside the kernel: masked loads give zero rows, masked stores drop them; the
-            padding costs FLOPs only, and this kernel is bound by KV bytes (G=4: 4x the FLOPs of G rows, still far from
-            the compute roof). An elementwise multiply+reduce over a [G, block, hd] tensor would avoid the padding but
-            holds G*block*hd fp32 values in registers per step. For bf16 inputs p is rounded to bf16 before the PV dot
-            (as every flash kernel does); float32 inputs use precision HIGHEST (IEEE, not TF32).
-  write     with `new_kv`, each row's current key/value (position ctx_len - 1) comes from the inputs, not the pool:
-            the split whose blocks hold that position swaps it into its tile and stores it into the pools, which are
-            aliased outputs (updated in place). The engine's decode step then has no KV scatter kernels, and with
-            new_kv="packed" q, k and v arrive as one array read by head offset (one XLA fusion makes it with RoPE).
-  padding   rows with ctx_len 0 (the engine's padding rows, whose block table points at the trash page) run no block
-            and come out as zeros, not NaN (l = 0 is guarded).
-
-Why the Pallas Triton backend: as in moe_warp_decode.py, it runs in interpret mode on the CPU (jax 0.10.2, CI) and
-compiles on the H100 (jax 0.11.2), its masked loads/stores handle odd head counts and lengths without padding copies, a
-gather with an array of pointers is ordinary Triton, and its pipeliner (`num_stages`) keeps the next block's K/V loads
-in flight behind the dots. Interpret mode cannot mix array indices with slices in one load, so gathers use full array
-indices (scalars and index arrays only) and everything else scalar + `pl.ds`.
-
-`default_config`: about 4 programs per SM of a 132-SM GPU when the batch is small, at least two blocks per split. The
-split count was measured inside the engine step (its docstring); block size and warps are a first guess (the
-out-of-step sweeps in benchmarks/attention_decode.py were too noisy at these ~5 us calls to move them).
-
-`paged_decode_attention_reference` is the float32 oracle in plain jnp (a gather of max_pages pages per row).
+Grid (row, KV head, split): a program owns one KV head and all of its G query heads (GQA) and reads each visible key
+and value once, straight from the pool (pages gathered inside the kernel, the stacked pool indexed by a traced layer,
+never sliced); its loop follows the row's own length, and a jnp combine merges the splits. With `new_kv` the row's
+current key/value is stored into the pools (aliased outputs, updated in place). Rows with ctx_len 0 (padding) come
+out as zeros, never NaN.
+Design: docs/kernels.md, "Paged decode attention"; numbers: docs/decisions.md, "Decode step on the device".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Paged prefill attention: a chunk of query tokens per row over its paged KV cache, causal, as a Pallas kernel, plus a
-jnp reference.
+"""Paged prefill attention: a chunk of query tokens per row over its paged KV cache, causal (and sliding-window), as a
+Pallas (Triton) kernel, plus a jnp reference (`paged_prefill_attention_reference`, the float32 oracle).
 
-A prefill chunk (or a newcomer's prompt riding a mixed step) used to attend through `paged_attention_static`
-(jphoton/engine/attention.py): a gather of the step's whole context bucket into a [R, C, Hkv, hd] copy and a [R, Hq, T,
-C] score tensor in XLA. Its cost follows the bucket, not the row (a 128-token newcomer beside rows of 384 tokens paid
-for 512), and every bucket was one more compiled step shape per prefill shape. Here one kernel reads the visible keys
-straight from the pool and its loop follows each row's own length, so a prefill step needs no context bucket.
-
-  grid      (row r, KV head h, query block b). A program owns `block_q` query positions of one row and *all* G = Hq / Hkv
-            query heads of KV head h: its query tile has tile_rows >= block_q * G rows (position-major, block_q =
-            tile_rows // G; rows past block_q * G stay empty), so every K/V tile it loads serves G heads at once (GQA),
-            and the dots have M = tile_rows >= 16 rows for tensor cores.
-  causal    query i of row r sits at position q_start[r] + i and sees keys at positions <= its own (and > its own -
-            sliding_window). A program loops over the key blocks up to its last query's position: the loop follows the
-            row's own length (and the diagonal), read from scalar refs; a block past the row's q_len runs no block.
-  gather    as in paged_decode_attention.py: a block of `block_kv` positions reads its page ids from the block table,
-            forms pool slots page * page_size + offset and loads K and V [block_kv, hd] with full array indices (no
-            copy of K/V in XLA); the query tile is gathered the same way (a position and a head index per tile row).
-  output    each program writes its whole [tile_rows, hd padded] tile as one block, and one small XLA copy puts the tiles
-            back in [R, T, Hq, hd] order (`_untile`). Query positions >= q_len[r] (a chunk shorter than the bucket,
-            padding rows) come out as zeros, so the caller's padding never carries NaN into the next layer.
-
-The chunk's own keys and values must already be in the pool (the engine scatters them before attending). Triton's dot
-needs every dimension >= 16: head_dim is padded to a power of two >= 16 by masked loads.
-
-`paged_prefill_attention_reference` is the float32 oracle in plain jnp (a gather of every page of the table).
+Grid (row, KV head, query block): a program owns `block_q` query positions of one row and all G query heads of its KV
+head (GQA), gathers K/V tiles straight from the pool and loops over the key blocks up to its last query's position,
+so the cost follows each row's own length and a prefill step needs no context bucket. The chunk's own keys and values
+must already be in the pool (the engine scatters them first). Query positions >= q_len come out as zeros, never NaN.
+Design: docs/kernels.md, "Paged prefill attention"; numbers: docs/step-shapes.md, item 10.
 """
 
 from __future__ import annotations
