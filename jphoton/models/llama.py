@@ -1,33 +1,12 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
 
-Params layout (layers stacked on a leading axis so the layer loop can be one `lax.scan`, which keeps compiles short):
-
-    embed        [V, D]
-    layers:
-      attn_norm  [L, D]          mlp_norm  [L, D]
-      wq [L, D, Hq*hd]   wk, wv [L, D, Hkv*hd]   wo [L, Hq*hd, D]
-      bq [L, Hq*hd]  bk, bv [L, Hkv*hd]      (qkv_bias)      bo [L, D]  (o_bias)
-      q_norm, k_norm [L, hd]                  (qk_norm, Qwen3)
-      w_gate, w_up [L, D, F]   w_down [L, F, D]
-    final_norm   [D]
-    lm_head      [D, V]          (absent when embeddings are tied)
-
-Serving layout (`fuse_params`, applied once when a model is built for the engine; loaders, checkpoints and
-`param_shapes` keep the layout above): wq|wk|wv -> wqkv [L, D, Hq*hd + 2*Hkv*hd] (bq|bk|bv -> bqkv) and
-w_gate|w_up -> w_gate_up [L, D, 2F], so a decode step reads each layer's input projections in one dot instead of
-three and two. `forward` branches on which keys are present. The unrolled layer loop (the GPU default) is served from
-`unstack_layers`: each stacked group a tuple of per-layer dicts of matrices, so that every layer's GEMMs are one
-fusion to XLA (the norms and biases stay [L, X] stacks, in `layer_vectors`: fewer arguments for each step).
-
-Mixture-of-experts variants (Qwen3-MoE, `cfg.num_experts > 0`) take the MLP weights out of `layers` and keep one stack
-per kind of layer, indexed by the layer's rank among its kind (forward in models/qwen3_moe.py):
-
-    moe:         router [Lm, D, E]   w_gate, w_up [Lm, E, Fm, D]   w_down [Lm, E, D, Fm]   (HF [out, in] per expert)
-    dense_mlp:   w_gate, w_up [Ld, D, F]   w_down [Ld, F, D]        (only when some layers are dense)
-
-Attention is a callback so that one layer body serves every KV layout: `attend(q, k, v, kv, layer) -> (out, kv)`
-writes this step's keys/values into layer `layer` of the cache and attends over it (models/decoder.py).
-`dense_attention` below is the reference; the engine's paged attention lives in jphoton/engine/attention.py.
+Checkpoint layout: layers stacked on a leading axis (`param_shapes` gives every leaf's shape); loaders and checkpoints
+keep it. Serving layout (`fuse_params`, once when a model is built for the engine): wq|wk|wv fused into wqkv and
+w_gate|w_up into w_gate_up; `unstack_layers` gives the unrolled loop per-layer matrices (norms and biases stay [L, X]
+stacks, `layer_vectors`). `forward` branches on which keys are present. MoE variants (`cfg.num_experts > 0`) keep their
+expert stacks apart (models/qwen3_moe.py). Attention is a callback, `attend(q, k, v, kv, layer) -> (out, kv)`, so one
+layer body serves every KV layout (models/decoder.py); `dense_attention` is the reference, the engine's paged
+attention is jphoton/engine/attention.py. Every leaf's shape: docs/models.md, "Params layouts".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Multi-LoRA for the dense Llama family: every row of a step may use a different adapter (or none), in one program.
 
-Device layout: a fixed number of adapter *slots* (`max_loras`, S) of rank up to R (a lower rank is zero-padded). The
-layer's LoRA targets come in four groups, one per input the layer multiplies (HF module names):
-
-    qkv      q_proj | k_proj | v_proj   (input: the attention norm's output)
-    o        o_proj                     (input: the attention output)
-    gate_up  gate_proj | up_proj        (input: the MLP norm's output)
-    down     down_proj                  (input: SwiGLU's output)
-
-A group with n targets keeps, per layer, A [in, S*n*R] (column slot*n*R + t*R + r holds PEFT's lora_A row r of target
-t) and B [S*n*R, out] (block-diagonal per target: row slot*n*R + t*R + r holds lora_B column r, times the adapter's
-scaling, under target t's output columns). A step then adds, to the group's product,
-
-    delta = ((x @ A) where onehot) @ B    onehot[row, c] = 1 where column c belongs to the row's slot
-
-two dense GEMMs over every slot at once: each adapter's weights are read once a step however many rows use it (a
-per-row gather would read them once per row), and the slot is data, so loading or unloading an adapter never
-recompiles. An absent target's blocks stay zero. `delta_reference` is the per-row oracle the tests compare against.
-
-Every group's A lives *inside* its base weight (`INLINE`): the serving layout's wqkv, wo, w_gate_up and w_down get
-S*n*R more columns (`extend_params`), so the layer's own product computes the shrink too and the LoRA weights keep only
-B. Through XLA a separate shrink was a split-K GEMM plus a sum kernel plus a mask kernel per group (H100: 1.31x a 1B
-step with 24 of 32 rows on adapters; docs/decisions.md). The base program (steps with no adapter row) never uses the
-extra columns: the GEMVs read the base columns only, XLA's q|k|v dot reads 6% more (rank 16 x 4 slots).
-
-Pure functions here; the slot bookkeeping is engine/loras.py (no jax), reading PEFT files jphoton/weights/peft.py.
+A fixed number of adapter slots (`max_loras`) of rank up to R, in four target groups (qkv, o, gate_up, down: one per
+input the layer multiplies). A step adds `((x @ A) where onehot) @ B` to each group's product: two dense GEMMs over
+every slot, so each adapter is read once a step and the slot is data (loads never recompile). Each group's A lives in
+its base weight as extra columns (`INLINE`, `extend_params`), which the base program never reads. The mask selects, so
+a row without an adapter gets exactly 0 and another slot's NaN never reaches it. `delta_reference` is the per-row
+oracle. Pure functions here; slot bookkeeping: engine/loras.py; PEFT files: jphoton/weights/peft.py.
+Layout: docs/models.md, "LoRA layout"; numbers: docs/decisions.md, "Multi-LoRA".
 """
 
 from __future__ import annotations

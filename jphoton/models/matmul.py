@@ -1,33 +1,12 @@
 """How the dense layers' weight matmuls run, chosen once when the model is built (models/protocol.py llama_family,
-`LLM(matmul=...)`). The model calls a hook for: a product (`__call__`), gate+up with SwiGLU (`glu`), a sublayer's
-output projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the LM head
-(`head`). Kinds:
-
-  "xla-plain"  XLA dots as written (`PlainMatmul`), the CPU default.
-  "xla"        XLA dots, a one-token step computed as two rows (`XlaMatmul`).
-  "fused"      "xla", except that for steps of <= 32 tokens gate+up runs through the GEMV with SwiGLU in its epilogue,
-               and for steps of 17-32 tokens O and down through the GEMV writing split-K partials that one kernel sums
-               into the residual and normalises (pallas_kernels/add_rms_norm.py): from attention to the next QKV, 7
-               kernels instead of 8 per layer, or 5 from 17 tokens on
-               (`XlaMatmul(glu_gemv=True, residual_gemv=True, residual_min_rows=17)`). The GPU default: 1.1-3.5%
-               faster than "xla" per 1B step at 2-32 rows in one H100 run (RESULTS.md, 2026-11-23 20:54-21:31).
-
-Why "xla" pads a one-token step: XLA:GPU's algebraic simplifier strength-reduces a vector x matrix dot whose operands
-hold fewer than 10M elements into an elementwise multiply (materialising x*W in HBM) plus a reduce. On the H100 that
-turned Llama-3.2-1B's QKV and O projections at batch 1 into ~21 us each (~0.4 TB/s) instead of a GEMM; a two-row dot is
-not a vector and stays a GEMM (kernel profile in benchmarks/RESULTS.md). The zero row costs one extra row of a
-bandwidth-bound product, i.e. nothing measurable. In serving the engine rounds its decode buckets up to `min_rows`
-(models/protocol.py `JaxModel.min_decode_rows`), so a lone request runs as a two-row step and no dot is padded: the
-pad and slice kernels around every matmul cost 1.330 vs 1.269 ms per 1B step on the H100 (RESULTS.md).
-
-A hook is called with the layer's matrix [K, N] (what an XLA dot reads: the layer scan's slice fuses into the GEMM)
-and with the stacked weight [L, K, N] + layer index (what a kernel reads: a Pallas call fed a slice of the stack would
-make XLA materialise the slice, a copy of every weight, doubling the step's HBM traffic).
-
-Measured and dropped (RESULTS.md, 2026-11-23): the GEMV running RMSNorm or SwiGLU on its input inside the K loop
-(the QKV GEMV 6.7 -> 10.9 us, down 13 -> 28 us), and RMSNorm's row scale applied after an XLA dot (+0.7% / -1.3%).
-Measured slower and removed (docs/decisions.md): the GEMV for the small matrices (kind "pallas"), split-K GEMVs
-finished by their last program (kind "finish"), and the whole MLP in one kernel.
+`LLM(matmul=...)`). The model calls a hook for a product (`__call__`), gate+up with SwiGLU (`glu`), a sublayer's output
+projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the LM head (`head`).
+Kinds: "xla-plain" (XLA dots as written, `PlainMatmul`, the CPU default); "xla" (XLA dots, a one-token step computed
+as two rows, `XlaMatmul`); "fused" (the GPU default: "xla", with gate+up through the SwiGLU GEMV for steps of <= 32
+tokens, and O and down through split-K GEMV partials into pallas_kernels/add_rms_norm.py at 17-32 tokens). A hook gets
+the layer's matrix [K, N] (for an XLA dot) and the stacked weight [L, K, N] + layer index (for a kernel: a Pallas call
+fed a slice of the stack would copy the weights).
+Why each kind: docs/models.md, "Matmul kinds"; numbers: docs/decisions.md, "Decode step on the device".
 """
 
 from __future__ import annotations
@@ -43,7 +22,7 @@ from jphoton.models.layers import dense, rms_norm, silu_mul
 log = logging.getLogger("jphoton")
 
 KINDS = ("auto", "xla", "xla-plain", "fused")
-# "auto" resolves to this on GPU: the faster engine step in the same H100 run (module docstring, RESULTS.md).
+# "auto" resolves to this on GPU: the faster engine step (docs/decisions.md, "Decode step on the device").
 GPU_DEFAULT = "fused"
 # Most tokens in a step for which "fused" uses the GEMV (the sweep measured M = 1, 8, 32: still ahead at 32).
 PALLAS_MAX_ROWS = 32
@@ -170,8 +149,8 @@ class XlaMatmul(PlainMatmul):
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
-        """x [..., K] @ w [K, N]. An earlier version indexed the stack here with the traced layer index; its H100 step
-        was 1.3 ms slower than plain `@`, consistent with XLA copying each layer's weights (RESULTS.md)."""
+        """x [..., K] @ w [K, N]: the layer's matrix, never the stack indexed by the traced layer (XLA would copy each
+        layer's weights: docs/models.md, "Matmul kinds")."""
         return two_row_dot(x, w)
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, n: int | None = None) -> jax.Array:

@@ -1,14 +1,12 @@
 """Mixture-of-experts feed-forward: top-k softmax routing and the backends that run the routed experts.
 
-Backends (all take the same stacked expert weights, so switching costs nothing):
-  warp_decode     the output-centric Pallas kernels (pallas_kernels/moe_warp_decode.py): decode-sized steps.
-  expert_centric  plain JAX: sort (token, expert) pairs by expert, grouped GEMM with `jax.lax.ragged_dot_general`, bf16
-                  intermediates (in a bf16 model), weighted combine in fp32: prefill and large batches.
-"auto" picks warp_decode when the step has at most WARP_DECODE_MAX_TOKENS tokens (a static shape, so the choice is
-made once per compiled bucket), expert_centric above.
-
-Expert weights, per MoE layer stacked on a leading axis (HF's Linear [out, in] layout per expert, which makes every
-weight row an output needs contiguous): router [Lm, D, E], w_gate / w_up [Lm, E, F, D], w_down [Lm, E, D, F].
+Backends (all take the same stacked expert weights, so switching costs nothing): warp_decode (the output-centric Pallas
+kernels of pallas_kernels/moe_warp_decode.py, for decode-sized steps) and expert_centric (plain JAX: pairs sorted by
+expert, a grouped GEMM with `jax.lax.ragged_dot_general`, bf16 intermediates in a bf16 model, the combine in fp32: for
+prefill and large batches). "auto" picks warp_decode for steps of at most WARP_DECODE_MAX_TOKENS tokens (a static
+shape: once per compiled bucket). Weights per MoE layer, stacked, HF's [out, in] per expert: router [Lm, D, E],
+w_gate / w_up [Lm, E, F, D], w_down [Lm, E, D, F].
+Numbers: docs/decisions.md, "Prefix caching, LoRA, tensor parallelism, MoE".
 """
 
 from __future__ import annotations

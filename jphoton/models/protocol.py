@@ -1,16 +1,12 @@
-"""The small protocol a model follows to run in the engine, so researchers can plug in their own JAX model.
+"""The small protocol a model follows to run in the engine, so researchers can plug in their own JAX model (docs/own-model.md).
 
-A model is a params pytree plus two pure functions:
+A model is a params pytree, a config (num_layers, num_kv_heads, head_dim, vocab_size, max_position_embeddings,
+sliding_window, eos_token_ids: a `ModelConfig` with architecture="custom" has them) and two pure functions:
 
     forward(params, tokens, positions, kv, attend) -> (hidden, kv)
-        tokens, positions: int32 arrays of one shape (the engine passes a flat [N]); hidden: [..., D].
-        For each layer i, call `o, kv = attend(q, k, v, kv, i)` with q [..., Hq, hd], k/v [..., Hkv, hd] (RoPE applied):
-        the engine's attention writes k/v into its paged cache and returns o [..., Hq, hd]. Thread `kv` through
-        (a `lax.scan` carry or a Python loop both work) and return it.
+        tokens, positions: int32 of one shape (the engine passes a flat [N]); hidden [..., D]. Per layer i call
+        `o, kv = attend(q, k, v, kv, i)` (q [..., Hq, hd], k/v [..., Hkv, hd], RoPE applied; o [..., Hq, hd]), threading kv.
     logits(params, hidden [R, D]) -> float32 logits [R, V]
-
-and a config with num_layers, num_kv_heads, head_dim, vocab_size, max_position_embeddings, sliding_window and
-eos_token_ids (a `ModelConfig` with architecture="custom" does).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""Tensor parallelism over `jax.sharding`: one host process drives N local devices (docs/tensor-parallel.md).
+"""Tensor parallelism over `jax.sharding`: one host process drives N local devices.
 
-Megatron's layout, with the model code run per shard under `jax.shard_map` (so the Pallas kernels see their shard's
-arrays as they would a smaller model's):
-
-  column-parallel  wq | wk | wv (fused wqkv) and w_gate | w_up (fused w_gate_up): shard s holds its own heads / its
-                   slice of the MLP, and a fused matrix is the concatenation of each part's shard (shard s of wqkv is
-                   [q_s | k_s | v_s]), so every shard splits its own product exactly as the unsharded model does
-  row-parallel     wo and w_down: each shard's product is a partial sum, added up by one all-reduce per sublayer
-                   (`TensorParallel.psum`, in the activation dtype)
-  KV heads         sharded with the q heads that read them; with fewer KV heads than shards each is replicated on the
-                   N / Hkv shards whose q heads read it (vLLM's rule); the paged KV pool is sharded by head
-  vocabulary       embedding rows and LM-head columns: the lookup is masked per shard and summed; logits stay sharded
-                   and the sampler reduces across shards (`sampling.sample_plain`): no full-logit gather
-  MoE              tensor parallel inside every expert (each shard holds 1/N of every expert's F), router replicated:
-                   decode steps touch few experts per token, and this way each step reads 1/N of every routed
-                   expert on every device whatever the routing (expert parallelism would load the devices unevenly
-                   at small batch, and needs an all-to-all per layer)
-
-Leaf rules are by parameter name (models/llama.py `param_shapes`), so they serve the checkpoint and the serving layouts,
-stacked or per-layer. A leaf whose columns must be reordered first (replicated KV heads; an already fused matrix built
-on the host) is permuted before it is placed (`place`).
+Megatron's layout, with the model code run per shard under `jax.shard_map` (the Pallas kernels see their shard's
+arrays as they would a smaller model's): column-parallel wqkv and w_gate_up (a fused matrix is the concatenation of
+each part's shard), row-parallel wo and w_down (one all-reduce per sublayer in the activation dtype,
+`TensorParallel.psum`), KV heads with the q heads that read them (replicated with fewer KV heads than shards), the
+vocabulary sharded (logits stay sharded), MoE split inside every expert. Leaf rules go by parameter name (models/llama.py
+`param_shapes`), so they serve both layouts, stacked or per-layer; a leaf whose columns must be reordered first is
+permuted before it is placed (`place`). Layout and why: docs/tensor-parallel.md, "Layout".
 """
 
 from __future__ import annotations
