@@ -68,16 +68,32 @@ def no_leaked_pages():
             gc.collect()
 
 
+_STALE_LLMS = []  # session engines whose compiled programs a module's end dropped: warmed again before their next use
+_SESSION_LLMS = {}  # fixture name -> the session-scoped engine it made
+
+
 @pytest.fixture(autouse=True, scope="module")
-def drop_compiled_programs():
+def drop_compiled_programs(request):
     """Compiled programs stay in JAX's caches for the session: ~80 MB per Pallas kernel shape in interpret mode, 1.2 GB
-    for test_moe alone. Dropped after each module; the session's engines then compile their shapes again (from the
-    on-disk cache), so that they still serve without compiling."""
+    for test_moe alone. Dropped after each module; a session engine then compiles its shapes again (from the on-disk
+    cache) before the next module that uses it starts, so that it still serves without compiling (modules that do not
+    use it skip that warm-up)."""
+    prefix = request.node.nodeid + "::"
+    used = set().union(*(item.fixturenames for item in request.session.items if item.nodeid.startswith(prefix)))
+    for name, llm in _SESSION_LLMS.items():
+        if name in used:
+            _rewarm(llm)
     yield
     import jax
 
     jax.clear_caches()
-    for llm in _SHARED_LLMS:
+    _STALE_LLMS.extend(llm for llm in _SHARED_LLMS if llm not in _STALE_LLMS)
+
+
+def _rewarm(llm):
+    """Compile a session engine's programs again if a module's end dropped them."""
+    if llm in _STALE_LLMS:
+        _STALE_LLMS.remove(llm)
         if llm.engine_config.warmup != "off":
             llm.engine.runner.warmup()
 
@@ -91,15 +107,28 @@ def drop_compiled_programs_after_each_test():
     jax.clear_caches()
 
 
+@contextlib.contextmanager
+def session_llm(name, **kwargs):
+    """shared_llm for a session-scoped fixture `name`: warmed again before each module that uses it (see above)."""
+    with shared_llm(**kwargs) as llm:
+        _SESSION_LLMS[name] = llm
+        try:
+            yield llm
+        finally:
+            del _SESSION_LLMS[name]
+            if llm in _STALE_LLMS:
+                _STALE_LLMS.remove(llm)
+
+
 @pytest.fixture(scope="session")
 def embedded_llm():
-    with shared_llm() as llm:  # the default loop: pipelined, depth 2
+    with session_llm("embedded_llm") as llm:  # the default loop: pipelined, depth 2
         yield llm
 
 
 @pytest.fixture(scope="session")
 def embedded_d1():
-    with shared_llm(pipeline_depth=1) as llm:  # the blocking loop
+    with session_llm("embedded_d1", pipeline_depth=1) as llm:  # the blocking loop
         yield llm
 
 
@@ -110,8 +139,11 @@ def embedded_d3():
 
 
 def llm_at_depth(request, depth: int):
-    """The shared embedded engine of a pipeline depth, for tests parametrized over depths."""
-    return request.getfixturevalue({1: "embedded_d1", 2: "embedded_llm", 3: "embedded_d3"}[depth])
+    """The shared embedded engine of a pipeline depth, for tests parametrized over depths (warm: a fixture asked for
+    here is not in the module's fixture list that drop_compiled_programs reads)."""
+    llm = request.getfixturevalue({1: "embedded_d1", 2: "embedded_llm", 3: "embedded_d3"}[depth])
+    _rewarm(llm)
+    return llm
 
 
 @pytest.fixture(scope="session")
