@@ -1,16 +1,12 @@
 """Grammar automata for the device: a regular constraint as a token-level DFA whose tables live on the GPU, so that a
 constrained row samples inside the step like a free row (no host mask, no deferred sampler). Plain Python and numpy.
 
-A regex (or a JSON schema that `jphoton.constrain.json_regex` turns into one) is compiled by outlines-core (Rust; it walks every
-vocabulary entry's bytes through the regex's byte-level DFA) into `TokenAutomaton`: for each state, the bitmask of the
-tokens allowed there (the layout llguidance's masks use: bit v % 32 of word v // 32) and each allowed token's next
-state. The engine keeps llguidance as the reference and the path for everything else (Lark grammars, regexes whose
-automaton is too large, top-k / top-p / logprobs rows): the two accept the same token sequences for the constraints
-routed here (tests/test_automaton.py walks both and compares their masks), so a request's tokens do not depend on which
-path served it.
-
-`AutomatonPool` places automata in the device tables (a fixed number of state rows, row 0 the free state: every token
-allowed, every token back to 0), by reference count, evicting the least recently used idle ones.
+outlines-core compiles a regex (or a JSON schema turned into one by `jphoton.constrain.json_regex`) into a
+`TokenAutomaton`: per state, the bitmask of allowed tokens (llguidance's layout: bit v % 32 of word v // 32) and each
+allowed token's next state. Invariant: for the constraints routed here it accepts the same token sequences as
+llguidance, the reference and the path for everything else (tests/test_automaton.py), so a request's tokens do not
+depend on the path. `AutomatonPool` places automata in the device tables (row 0 the free state), by reference count,
+evicting the least recently used idle ones. Design and numbers: docs/constrained.md; docs/decisions.md, "Constrained decoding".
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-r"""A JSON schema as a regex, for the device automata (jphoton/constrain/automaton.py): the regex accepts exactly the documents
-that llguidance's compact JSON grammar of the schema accepts (`whitespace_flexible: False`: no whitespace, separators
-"," and ":", properties in the schema's order), so that outlines-core can compile the schema into a token DFA.
-
+r"""A JSON schema as a regex, for the device automata (jphoton/constrain/automaton.py): the regex accepts exactly the
+documents that llguidance's compact JSON grammar of the schema accepts (`whitespace_flexible: False`: no whitespace,
+separators "," and ":", properties in the schema's order), so that outlines-core can compile it into a token DFA.
 Only a subset of JSON schema is translated; anything else gives None and stays on llguidance. The details follow
-llguidance (parser/src/json/, derivre's JSON quoting), checked against it byte by byte (tests/test_json_regex.py):
-strings hold raw characters but `"`, `\`, U+0000-U+001F and U+007F, the escapes \" \\ \b \f \n \r \t, and \u00XX
-only for U+0000-U+001F and U+007F (either hex case); lengths count decoded characters; a pattern is a search
-(unanchored unless it has ^ / $) in Rust syntax with ASCII \d and \w; integers have no leading zeros, and "-0" only
-where the range is unbounded or both bounds are given around 0.
+llguidance (parser/src/json/, derivre's JSON quoting), checked byte by byte (tests/test_json_regex.py): strings hold raw
+characters but `"`, `\`, U+0000-U+001F and U+007F, the escapes \" \\ \b \f \n \r \t, and \u00XX only for U+0000-U+001F
+and U+007F (either hex case); lengths count decoded characters; a pattern is a search (unanchored unless it has ^ / $)
+in Rust syntax with ASCII \d and \w; integers have no leading zeros, and "-0" only where the range is unbounded or
+both bounds are given around 0.
 """
 
 from __future__ import annotations

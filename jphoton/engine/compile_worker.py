@@ -1,23 +1,13 @@
-"""A second process that compiles the engine's background step programs and sends them to the serving process.
-
-Why: in the serving process a background compile slows the running decode. Tracing a program is Python and holds the
-GIL; writing it to the persistent cache serializes the executable with the GIL held (~0.2 s a 1B program, a stall);
-a B=1 decode kept 0.69x its speed while the 1B's shapes compiled beside it (H100, docs/decisions.md 2026-11-27).
-Here the worker traces, compiles and writes the cache in its own interpreter; the serving process only loads each
-finished program (`deserialize_and_load`, ~0.3 s a program, mostly without the GIL) and calls it directly
-(`Runner.install`). What is left is XLA's autotuning on the shared GPU.
-
-The worker rebuilds the model's functions from its recipe (`models/protocol.py rebuild`) over abstract params of the
-serving layout and an abstract runner (`Runner(abstract=True)`): it holds no weights and no KV pool. On a GPU it starts
-without preallocating memory (the serving process holds JAX's pool).
-
-Protocol, frames of a little-endian u64 length + a pickle:
-  serving -> worker (stdin):  a `Spec`; then ("want", task) puts a task first; EOF: stop after the compile in progress.
-  worker -> serving (stdout): ("program", key, payload, in_tree, out_tree) for each program of a task, then
-                              ("done", task); ("error", text) on a failure (and exit); ("end",) after the last task.
-A task is ("step", shape, filtered) or ("sampler", variant); a key is ("step", shape, filtered, lora) or ("sampler",
-variant) (`Runner.install`).
-"""
+"""A second process that compiles the engine's background step programs and sends them to the serving process, so that
+tracing (Python, holds the GIL) and writing the persistent cache (serializes with the GIL held) never stall its decode:
+the serving process only loads each program (`deserialize_and_load`) and calls it (`Runner.install`). The worker
+rebuilds the model from its recipe (`models/protocol.py rebuild`) over abstract params of the serving layout and an
+abstract runner (`Runner(abstract=True)`): no weights, no KV pool, no preallocated GPU memory (docs/step-shapes.md, 9).
+Protocol, frames of a little-endian u64 length + a pickle. serving -> worker (stdin): a `Spec`, then ("want", task)
+puts a task first; EOF: stop after the compile in progress. worker -> serving (stdout): ("program", key, payload,
+in_tree, out_tree) per program of a task, then ("done", task); ("error", text) on a failure (and exit); ("end",) after
+the last task. Tasks: ("step", shape, filtered), ("sampler", variant); keys: ("step", shape, filtered, lora), ("sampler",
+variant)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """LoraSlots: which LoRA adapter each device slot holds, and who still uses it. Plain Python (no jax), like PagePool.
 
-A request names an adapter; at submission its sequence takes a reference on the adapter's slot (`acquire`) and gives it
-back when its pages go back (`release`): finished, aborted, and, for a zombie, only once no in-flight step references
-it (the same `inflight_refs` rule as pages). Unloading or replacing an adapter takes its name away at once (new
-requests for it are refused, or get the new weights), while the old slot *drains*: it is reused only when its last
-reference is released, so that no step in flight ever reads a slot being overwritten.
-
-Each load gets a fresh `key`, part of the prefix-cache key of the pages a sequence with this adapter writes
-(engine/pages.py): KV computed under one adapter is never served to another, nor to a later load under the same name.
+A request's sequence takes a reference on its adapter's slot at submission (`acquire`) and gives it back when its pages
+go back (`release`: finished, aborted, and for a zombie only once no in-flight step references it, the `inflight_refs`
+rule of pages). Unloading or replacing an adapter takes its name away at once (new requests are refused, or get the
+new weights) while the old slot drains: it is reused only after its last release, so no step in flight ever reads a
+slot being overwritten. Each load gets a fresh `key`, part of the prefix-cache key of the pages written under it
+(engine/pages.py): KV computed under one adapter is never served to another, nor to a later load of the same name.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Compiling the engine's step shapes so that the first request is served in seconds and nothing compiles once warm.
 
-Modes (`EngineConfig.warmup`):
-  "background" (default)  the shapes a first request needs (the smallest decode step and one prefill step) compile
-                          before `LLM()` returns; every other shape and second sampler compiles in the background
-                          (one compile at a time), and the scheduler plans only with ready shapes
-                          (`Scheduler.ready`): a long prompt runs in chunks through a ready prefill shape, decode rows
-                          beyond the largest ready bucket take turns. A shape a plan could not use goes to the front
-                          of the queue (`Scheduler.wanted`).
-  "full"                  every shape compiles before `LLM()` returns.
-  "off"                   nothing ahead of time: a shape compiles when a step first needs it (tests, probes).
-
-Where the background compiles run: by default on a GPU with one device, in a second process that sends each compiled
-program over (engine/compile_worker.py: the serving process only loads them, so its decode keeps its speed); else,
-and if that process fails (logged), on this process's threads.
-
-Why one XLA compile at a time: on one GPU, concurrent compiles ran ~5x slower each (XLA's autotuner times kernels on
-the device; docs/step-shapes.md). Tracing a shape (Python, holds the GIL) overlaps another's XLA compile (releases it):
-the first tier's two shapes compile on two threads, and the background traces the next program while one compile
-thread compiles the previous.
+Modes (`EngineConfig.warmup`): "background" (the default: the shapes a first request needs, the smallest decode step
+and one prefill step, compile before `LLM()` returns; every other shape and second sampler compiles in the background,
+one XLA compile at a time, while the scheduler plans only with ready shapes, `Scheduler.ready`, and a shape a plan
+could not use goes to the front of the queue, `Scheduler.wanted`); "full" (every shape before `LLM()` returns); "off"
+(a shape compiles when a step first needs it: tests, probes). Background compiles run in a second process on a GPU with
+one device (engine/compile_worker.py), else, and if it fails (logged), on this process's threads, where tracing one
+program (holds the GIL) overlaps the XLA compile of the previous one (releases it). Why: docs/step-shapes.md, items 4-9.
 """
 
 from __future__ import annotations

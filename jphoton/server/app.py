@@ -1,15 +1,12 @@
 """Build, start and stop the grpc.aio server: the Engine service, standard health checking, reflection, metrics.
 
-Life cycle: the port opens first with health NOT_SERVING (load balancers and `grpc_health_probe` see the process but
-send nothing), the model is loaded and warmed up (every step shape compiled) in a worker thread, then health turns
-SERVING. Shutdown is the reverse: health NOT_SERVING, new calls refused, in-flight streams drained for a grace period
-(then cancelled), the engine loop stopped. An engine that dies or stalls (jphoton/server/engine_process.py's watchdog; the
-in-process engine thread: `_watch_in_process`) turns health NOT_SERVING at once and every call UNAVAILABLE;
-`jphoton serve` (`run_until_signal`, and each frontend process) then exits with ENGINE_FAILED_EXIT, so that a process
-supervisor restarts it.
-
+Life cycle: the port opens first with health NOT_SERVING, the model is loaded and warmed up in a worker thread, then
+health turns SERVING. Shutdown is the reverse: health NOT_SERVING, new calls refused, in-flight streams drained for a
+grace period (then cancelled), the engine loop stopped. An engine that dies or stalls (engine_process.py's watchdog;
+the in-process thread: `_watch_in_process`) turns health NOT_SERVING at once and every call UNAVAILABLE; `jphoton
+serve` (`run_until_signal`, and each frontend process) then exits with ENGINE_FAILED_EXIT for a supervisor to restart.
 Two ways in: `await Server(...).start()` on your own event loop (what `jphoton serve` does), or `serve(...)`, which
-runs the server on a background thread and returns a handle (tests, benchmarks, notebooks).
+runs the server on a background thread and returns a handle (tests, benchmarks, notebooks). More: docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The jphoton.v1.Engine servicer: proto request -> prompt + SamplingParams, engine outputs -> streamed messages, and
 every failure -> the gRPC status a client can act on.
 
-Status codes (the contract, also in README.md):
-  INVALID_ARGUMENT    bad input of any kind (what LLM/SamplingParams reject with ValueError, no input, chat with token
-                      ids, two constraints, a request_id over 256 printable characters, undecodable bytes to any RPC, a
-                      request over a size or count limit, a LoRA adapter that is not loaded); nothing is queued.
-                      LoadLora: a bad name (1-128 printable characters) or adapter, or a path that is not an adapter
-                      directory inside a --lora-dir (one message whatever the path; always, with no --lora-dir)
-  ALREADY_EXISTS      request_id names a request that is still live
-  RESOURCE_EXHAUSTED  the server already holds --max-queue unfinished requests; LoadLora: every LoRA slot is taken
-                      (and none drained within 60 s)
-  FAILED_PRECONDITION LoadLora on a server without LoRA slots
-  UNAVAILABLE         the model is still loading, the server is shutting down, or the engine is gone: its process died
-                      or stalled (no heartbeat for --tick-timeout s; killed), or the in-process engine thread died.
-                      In-flight calls end with it at once, every later call gets it (GetStats and GetModelInfo
-                      included), health is NOT_SERVING, and `jphoton serve` exits non-zero for its supervisor to
-                      restart it: retry on another replica or after the restart
-  ABORTED             the request failed mid-flight (e.g. its grammar matcher rejected a token): the tokens produced so
-                      far are sent first, then the last message with finish_reason "error", then this status
-  INTERNAL            a server bug, never a user error (e.g. a LoRA command that failed unexpectedly; logged)
-All handlers run on the server's event loop, so the bookkeeping below needs no locks.
+The status codes are the contract (docs/serving.md, "Status codes"; README.md in short): INVALID_ARGUMENT for bad
+input of any kind, with nothing queued; ALREADY_EXISTS for a live request_id; RESOURCE_EXHAUSTED for a full queue or
+no free LoRA slot; FAILED_PRECONDITION for LoRA off; UNAVAILABLE while loading, stopping or once the engine is gone
+(every later call too); ABORTED after the tokens a request produced before it failed mid-flight; INTERNAL for a server
+bug, never a user error. All handlers run on the server's event loop, so the bookkeeping below needs no locks.
 """
 
 from __future__ import annotations

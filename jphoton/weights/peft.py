@@ -1,15 +1,12 @@
 """HF PEFT LoRA adapters: `adapter_config.json` + `adapter_model.safetensors`, read into numpy (engine: models/lora.py).
 
-Plain LoRA only: q/k/v/o/gate/up/down projections of the decoder layers, any rank (the engine's max_lora_rank caps it),
-scaling lora_alpha / r (or / sqrt(r) with use_rslora). Anything that would need more than a low-rank update of those
-products (DoRA, modules_to_save, embedding or LM-head targets, biases, per-module ranks) is refused with a clear error,
-never loaded half-way.
-
-Adapters are downloaded from public hubs, so a file is treated as hostile: the config is size-capped and
-`target_modules` is matched literally (never compiled as a pattern); weights that are not finite in the engine's
-dtype are refused; errors never echo the file's values. With `allowed_dirs` (the server's `--lora-dir`) every file is
-opened only if its real path (symlinks resolved) lies inside one of them, and any path that is not a readable adapter
-there gets one message, whatever it names (`ADAPTER_PATH_REFUSED`), so a caller learns nothing of the file system.
+Plain LoRA only: q/k/v/o/gate/up/down projections of the decoder layers, any rank (capped by max_lora_rank), scaling
+lora_alpha / r (or / sqrt(r) with use_rslora); anything more (DoRA, modules_to_save, embedding or LM-head targets,
+biases, per-module ranks) is refused with a clear error, never loaded half-way. A file is treated as hostile: the
+config is size-capped, `target_modules` matched literally (never compiled as a pattern), weights not finite in the
+engine's dtype refused, and errors never echo the file's values. With `allowed_dirs` (the server's `--lora-dir`) a
+file is opened only if its real path (symlinks resolved) lies inside one of them, and any other path gets one
+message whatever it names (`ADAPTER_PATH_REFUSED`), so a caller learns nothing of the file system.
 """
 
 from __future__ import annotations
