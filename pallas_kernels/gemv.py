@@ -105,8 +105,8 @@ def dot_k_loop(x_ref, w_ref, layer, col_starts, nmask, k_begin, *, M, Mp, K, BN,
     x[:, k_begin : k_begin + chunks * BK] @ W[layer, those rows, c : c + BN] as an [Mp, BN] tile (rows past M are
     zeros; columns where `nmask` is False read zeros). W is [L, K, N]; its [BK, BN] tiles (rows contiguous along N) and
     the activation tile feed `pl.dot`-style tensor-core dots, nothing else inside the loop: elementwise work on the
-    activation tile there (RMSNorm or SwiGLU prologues, measured in an earlier version) made the kernel 1.6-2.1x slower
-    on the H100 (RESULTS.md)."""
+    activation tile there (RMSNorm or SwiGLU prologues) was measured slower and dropped (docs/decisions.md, "Decode
+    step on the device")."""
     rows = jnp.arange(Mp, dtype=jnp.int32) < M
     dims = (((1,), (0,)), ((), ()))
 

@@ -38,8 +38,7 @@ class PagedDecodeConfig:
     block_tokens: int = 64
     splits: int = 1
     num_warps: int = 4
-    # 4 stages measured best inside the 1B step on the H100 (RESULTS.md, 2026-11-23 23:57-00:00): -0.8 to -1.1% per step
-    # at B = 128 (8 blocks per program), -0.3 to -0.8% at B = 32 and at 8k context, no change at B = 2 (2 blocks); 5 lost
+    # 4 stages measured best inside the 1B step; 5 lost (docs/decisions.md, "Decode step on the device")
     num_stages: int = 4
 
     def __post_init__(self):
@@ -52,12 +51,8 @@ class PagedDecodeConfig:
 
 def default_config(rows: int, num_kv_heads: int, max_tokens: int) -> PagedDecodeConfig:
     """Blocks of 64 tokens; splits: the largest power of two that keeps (row, head, split) programs at about 4 per SM
-    or fewer, each split at least two blocks of the longest possible context (max_tokens, static), at most 64.
-
-    Measured inside the 1B engine step on the H100 (RESULTS.md, 2026-11-23 22:16-22:18), the best split count of those
-    tried was this one at B = 2 / 8k context (32 against 64 / 16 / 8), B = 8 / 8k (8 against 64 / 32 / 16), B = 32 /
-    512 (2 against 8 / 4) and B = 2 / 512 (4, capped by the context, against 8 / 2); rounding the split count up (~8
-    programs per SM, the first guess) cost 2.2-2.6% per step in the three cases where it differs."""
+    or fewer, each split at least two blocks of the longest possible context (max_tokens, static), at most 64: the
+    best split count measured inside the engine step (docs/decisions.md, "Attention split count rounded down")."""
     block = min(64, max(16, _pow2(max_tokens)))
     blocks = -(-max_tokens // block)
     want = -(-4 * NUM_SMS // max(rows * num_kv_heads, 1))
