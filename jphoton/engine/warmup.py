@@ -266,7 +266,7 @@ class Warmup:
     def _run_here(self, tasks: list[tuple], bar) -> None:
         """Two stages: this thread traces the next program (Python, holds the GIL; `polite_profile` hands it to the
         engine often) while a compile thread compiles the previous one (XLA, releases it); one XLA compile at a time
-        (module docstring)."""
+        (docs/step-shapes.md)."""
         pending = None  # (the compile in progress, its task)
         compiler = _CompileThread()
         profiler = sys.getprofile()  # (a profiler's hook, if one was installed for new threads: restored at the end)

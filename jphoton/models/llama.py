@@ -80,10 +80,10 @@ FUSIONS = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": 
 
 def fuse_params(cfg: ModelConfig, params: Params, *, consume: bool = False) -> Params:
     """The serving layout: returns params whose `layers` hold wqkv (+ bqkv) and, for dense MLPs, w_gate_up instead of
-    their parts (module docstring). Numpy leaves are concatenated on the host (before any device_put); device leaves
-    group by group on their device. consume=True pops the parts out of `params["layers"]` as it goes, so that (when
-    nothing else holds them) each group's parts are freed once its fused copy exists: the peak is the weights plus one
-    fused group, never a second copy of the model. Already-fused params come back unchanged."""
+    their parts (docs/models.md, "Params layouts"). Numpy leaves are concatenated on the host (before any device_put);
+    device leaves group by group on their device. consume=True pops the parts out of `params["layers"]` as it goes, so
+    that (when nothing else holds them) each group's parts are freed once its fused copy exists: the peak is the weights
+    plus one fused group, never a second copy of the model. Already-fused params come back unchanged."""
     src = params["layers"]
     if isinstance(src, (tuple, list)):  # per-layer params (`unstack_layers`, or random weights made that way)
         return {**params, "layers": tuple(fuse_params(cfg, {"layers": lp}, consume=consume)["layers"] for lp in src)}

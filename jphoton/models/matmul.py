@@ -124,7 +124,7 @@ class PlainMatmul:
 
 
 class XlaMatmul(PlainMatmul):
-    """XLA dots with one-token steps padded to two rows (see the module docstring); the LM head is large enough to stay
+    """XLA dots with one-token steps padded to two rows (docs/models.md, "Matmul kinds"); the LM head is large enough to stay
     a GEMM at any row count, so it is a plain dot. The engine runs its decode steps with at least `min_rows` rows
     (models/protocol.py), so in serving the padding happens once per step, not in every matmul.
 
