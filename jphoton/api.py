@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -21,6 +22,7 @@ from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compile_worker, compiles
 from jphoton.engine import warmup as warmup_lib
 from jphoton.engine.config import EngineConfig
+from jphoton.engine.driver import Driver
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
 from jphoton.engine.runner import default_num_pages
@@ -128,11 +130,12 @@ class LLM:
         # other callers add their requests under the lock and wait for its ticks (_stepped).
         self._engine_lock = threading.RLock()
         self._stepped = threading.Condition(self._engine_lock)
-        self._driver: int | None = None  # the thread that owns the loop while an AsyncLLM drives this LLM
-        self._wake_driver: Callable[[], None] | None = None  # the driver's wake-up, called when a request is added
+        self._driving_thread: int | None = None  # the thread that owns the loop while an AsyncLLM drives this LLM
+        self._wake_driver: Callable[[], None] | None = None  # its wake-up, called when a request is added
         self._callers = 0  # threads inside _run_until (generate/stream/close) right now
         self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
         self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
+        self.driver = Driver(self)  # the engine loop (engine/driver.py): `step` is one of its ticks
         log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
         self.warmup = Warmup(self.engine.runner, self.engine.scheduler, cfg.warmup, cfg.progress,
                              worker=cfg if use_worker else None)
@@ -227,13 +230,30 @@ class LLM:
         request got (its last output has `finished` set). Outputs of `generate`/`stream` requests go to them too."""
         self._check_driver()
         with self._stepped:
-            outputs = self.engine.step()
-            for out in outputs:
-                queue = self._outputs.get(out.request_id)
-                if queue is not None:
-                    queue.append(out)
+            outputs = self.driver.tick()
             self._stepped.notify_all()
         return outputs
+
+    def route(self, out: RequestOutput) -> None:
+        """A tick's output to its `generate`/`stream` caller's queue, if it has one (Driver.tick calls it)."""
+        queue = self._outputs.get(out.request_id)
+        if queue is not None:
+            queue.append(out)
+
+    @contextlib.contextmanager
+    def driving(self, deliver, reject, answer=None, wake=None):
+        """Drive the engine loop from this thread for the block (AsyncLLM's engine thread, the server's engine
+        process): only it may `step`; `generate`/`stream` from other threads add their requests and wait for its
+        ticks. The callbacks are `Driver.attach`'s; yields the driver."""
+        if self._driving_thread is not None:
+            raise RuntimeError("this LLM is driven by another thread already (an AsyncLLM or a server)")
+        self._driving_thread, self._wake_driver = threading.get_ident(), wake
+        self.driver.attach(deliver, reject, answer, wake)
+        try:
+            yield self.driver
+        finally:
+            self._driving_thread = self._wake_driver = None
+            self.driver.attach(lambda key, out: None, lambda key, message: None)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish_reason "abort"); its KV pages come back once no launched step references it.
@@ -249,7 +269,7 @@ class LLM:
             seq = self.engine.sequences.get(request_id)
             # Land its in-flight steps now, if this thread may tick and every live request's outputs have a reader
             # (a tick here would take the outputs of a request stepped by hand): else nobody might tick again.
-            drain = (seq is not None and self._driver is None
+            drain = (seq is not None and self._driving_thread is None
                      and all(rid < 0 or rid in self._outputs for rid in self.engine.sequences if rid != request_id))
         if drain:
             self._run_until(lambda: seq.status == "released" or not self.engine.has_work())
@@ -391,12 +411,12 @@ class LLM:
 
     def _check_driver(self) -> None:
         """Only an AsyncLLM's thread steps the LLM while one drives it (a tick elsewhere would take its outputs)."""
-        if self._driver is not None and self._driver != threading.get_ident():
+        if self._driving_thread not in (None, threading.get_ident()):
             raise RuntimeError("an AsyncLLM (or the server) drives this LLM from its engine thread: call generate/"
                                "stream (they wait for its ticks) or go through the AsyncLLM, not step()")
 
     def _driven_elsewhere(self) -> bool:
-        return self._driver is not None and self._driver != threading.get_ident()
+        return self._driving_thread not in (None, threading.get_ident())
 
     def _submit(self, seq: Sequence) -> None:
         with self._engine_lock:

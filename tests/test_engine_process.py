@@ -317,7 +317,7 @@ def test_quick_requests_are_prepared_in_the_engine_loop_and_others_wake_it(embed
     import pickle
     import threading
 
-    from jphoton.async_llm import INLINE_MAX_CHARS
+    from jphoton.engine.driver import INLINE_MAX_CHARS
     from jphoton.server.engine_loop import EngineLoop
 
     llm = embedded_llm

@@ -449,7 +449,7 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check_in_process(srv, mega
 
 OLD_CLIENT = r"""
 import sys
-from jphoton.server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
+from server import jphoton_pb2 as pb, jphoton_pb2_grpc as pb_grpc
 import grpc
 assert "logprobs" not in pb.GenerateResponse.DESCRIPTOR.fields_by_name  # really the old stubs
 stub = pb_grpc.EngineStub(grpc.insecure_channel(sys.argv[1]))

@@ -344,9 +344,8 @@ def test_the_engine_process_reads_an_adapter_with_the_allowed_dirs():
     """The frontend sends the allowed directories with the load (EngineProcess.load_lora), and the engine loop hands
     them to LLM.read_lora."""
     import multiprocessing as mp
-    import queue
 
-    from jphoton.server.engine_loop import EngineLoop
+    from jphoton.engine.driver import Driver
     from jphoton.server.engine_process import EngineLink, EngineProcess
 
     ends = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
@@ -359,12 +358,10 @@ def test_the_engine_process_reads_an_adapter_with_the_allowed_dirs():
         return proc._outbox.get_nowait()
 
     assert asyncio.run(load())[2:] == ("a", "adapter", ["/srv/loras"])
-    read = []
-    loop = EngineLoop.__new__(EngineLoop)  # (its state for _read_lora only: no LLM)
-    loop.stopping, loop.lora_read, loop.lora_reading, loop._wake = False, queue.SimpleQueue(), set(), lambda: None
-    loop.llm = type("L", (), {"read_lora": lambda self, path, **kw: read.append((path, kw)) or "adapter"})()
-    loop._read_lora(1, "a", "adapter", ["/srv/loras"])
-    assert loop.lora_read.get(timeout=10) == (1, "a", "adapter")
+    read = []  # the engine loop hands the load to its driver (engine/driver.py), which reads it on a thread
+    driver = Driver(type("L", (), {"read_lora": lambda self, path, **kw: read.append((path, kw)) or "adapter"})())
+    driver.load_lora(1, "a", "adapter", ["/srv/loras"])
+    assert driver._lora_read.get(timeout=10) == (1, "a", "adapter")
     assert read == [("adapter", {"allowed_dirs": ["/srv/loras"]})]
 
 

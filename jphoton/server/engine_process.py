@@ -48,10 +48,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.async_llm import ChatPrompt, Rejected
+from jphoton.async_llm import Rejected
+from jphoton.engine.driver import LORA_WAIT_S, ChatPrompt
 from jphoton.params import SamplingParams
 from jphoton.sequence import Delta, RequestOutput
-from jphoton.server.engine_loop import HEARTBEAT_S, LORA_WAIT_S, LoraError, child_main, lora_error
+from jphoton.server.engine_loop import HEARTBEAT_S, LoraError, child_main, lora_error
 
 __all__ = ["DEFAULT_TICK_TIMEOUT", "HEARTBEAT_S", "LORA_WAIT_S", "EngineDied", "EngineLink", "EngineProcess", "LoraError",
            "Rejected", "Spawn", "default_frontends", "lora_error"]
