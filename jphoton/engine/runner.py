@@ -29,6 +29,7 @@ from jphoton.engine.scheduler import CONSTRAINED, FILTERS, LOGPROBS, LORA, StepP
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,
+    SamplerColumns,
     StepLayout,
     StepStatic,
     engine_step,
@@ -99,6 +100,14 @@ class Runner:
             logits_sharding = NamedSharding(self.mesh, sharded.LOGITS_SPEC)
             kv_heads = tensor_parallel.kv_heads(cfg, self.tp.size)
         self._sharding = on_device
+        self._make_buffers(model, config, num_pages, max_rows, kv_heads, on_device, kv_sharding, logits_sharding)
+        self._make_programs(model, page_size, on_device, kv_sharding, logits_sharding)
+
+    def _make_buffers(self, model, config: EngineConfig, num_pages: int, max_rows: int, kv_heads: int, on_device,
+                      kv_sharding, logits_sharding) -> None:
+        """The device state: params (placed), the KV pool, the automaton tables, the decode slots' output buffers,
+        the LoRA slot weights (and their writers), the carrier. Abstract runners get ShapeDtypeStructs."""
+        cfg, abstract, page_size = model.config, self.abstract, config.page_size
         if self.lora_enabled and not abstract:  # q|k|v's and gate|up's LoRA A ride in extra columns (models/lora.py)
             lora_lib.extend_params(cfg, model.params, config.max_loras, config.max_lora_rank)
         if abstract:
@@ -147,6 +156,12 @@ class Runner:
                                        out_shardings=on_device)
             self._write_inline = jax.jit(functools.partial(lora_lib.write_inline, base=lora_lib.base_columns(cfg)),
                                          donate_argnums=(0,), in_shardings=on_device, out_shardings=on_device)
+        self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
+
+    def _make_programs(self, model, page_size: int, on_device, kv_sharding, logits_sharding) -> None:
+        """The jitted step variants, the second sampler, the table writes and page copies, and the abstract
+        arguments their ahead-of-time compiles take."""
+        abstract = self.abstract
         step = functools.partial(engine_step, model.forward, model.logits, self.static)
         # Shardings pinned on the jits: a step input that arrives as a host array (usual) and one that arrives as a
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
@@ -172,7 +187,6 @@ class Runner:
         resample_in = on_device if self.tp is None else (logits_sharding, *[on_device] * 5)
         self._resample = jax.jit(resample_fn, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7),
                                  in_shardings=resample_in, out_shardings=on_device)
-        self.carrier = self._zeros((self.packed_size,), jnp.int32)  # the next step's input, when a sampler carries it
         self._last_launched: DecodeSlot | None = None
 
         def spec(a):  # abstract arguments for ahead-of-time compiles (shape, dtype, sharding of the live buffers)
@@ -200,6 +214,7 @@ class Runner:
             self.compile_table_writes()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
                                spec(self.carrier))
+
 
     def compile_table_writes(self) -> None:
         """Compile the automaton-table and LoRA-slot writes now (at start-up and in `warmup`, which is also the re-warm
@@ -313,7 +328,7 @@ class Runner:
             mask.fill(-1)
         fields = buf[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
         fields[:] = 0
-        fields[:, 2] = np.float32(1.0).view(np.int32)  # top_p 1 on padding rows
+        fields[:, SamplerColumns.TOP_P] = np.float32(1.0).view(np.int32)  # top_p 1 on padding rows
         return SamplerInput(variant, buf, mask, fields, buf[R * (W + SAMPLER_ROW_FIELDS):])
 
     def uses_lora(self, plan: StepPlan) -> bool:
@@ -358,16 +373,17 @@ class Runner:
         plan_rows = plan.rows
         out = [row.out_row for row in plan_rows]
         params = [row.seq.params for row in plan_rows]
-        rows[out, 0] = np.array([p.temperature for p in params], np.float32).view(np.int32)
-        rows[out, 1] = [p.top_k for p in params]
-        rows[out, 2] = np.array([p.top_p for p in params], np.float32).view(np.int32)
-        rows[out, 3:5] = seed_key_data(np.array([row.seq.seed for row in plan_rows], np.uint64)).view(np.int32)
-        rows[out, 5] = [row.sample_index for row in plan_rows]
-        rows[out, 6] = [p.logprobs or 0 for p in params]
+        C = SamplerColumns
+        rows[out, C.TEMPERATURE] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+        rows[out, C.TOP_K] = [p.top_k for p in params]
+        rows[out, C.TOP_P] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        rows[out, C.KEY] = seed_key_data(np.array([row.seq.seed for row in plan_rows], np.uint64)).view(np.int32)
+        rows[out, C.SAMPLE_INDEX] = [row.sample_index for row in plan_rows]
+        rows[out, C.LOGPROBS] = [p.logprobs or 0 for p in params]
         for out_row, tokens in forced:  # choice branches: the device takes the likeliest of these (step.py resample)
             if tokens is not None:
-                rows[out_row, 7] = len(tokens)
-                rows[out_row, 8:8 + len(tokens)] = tokens
+                rows[out_row, C.N_FORCED] = len(tokens)
+                rows[out_row, C.FORCED.start:C.FORCED.start + len(tokens)] = tokens
         return inp
 
     def launch(self, step: PlannedStep, defer_sampling: bool = False) -> DecodeSlot:

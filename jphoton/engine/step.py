@@ -221,6 +221,20 @@ def mark_nonfinite(tokens: jax.Array, logits: jax.Array, tp=None) -> jax.Array:
     return jnp.where(bad, NONFINITE, tokens)
 
 
+class SamplerColumns:
+    """The second sampler's per-row fields ([R, SAMPLER_ROW_FIELDS] int32 of its input), by column: written by the
+    runner (`Runner.sampler_input`), read by `resample`."""
+
+    TEMPERATURE = 0  # float32 bits
+    TOP_K = 1
+    TOP_P = 2  # float32 bits
+    KEY = slice(3, 5)  # the row's PRNG key data
+    SAMPLE_INDEX = 5  # which output token the row samples (keys its draw)
+    LOGPROBS = 6  # top logprobs the row wants
+    N_FORCED = 7  # a forced row's candidates (0: not forced; engine/step.py `_forced`)
+    FORCED = slice(8, 8 + FORCED_SET)
+
+
 SAMPLER_ROW_FIELDS = 8 + FORCED_SET  # per-row words of the second sampler's input
 
 
@@ -233,8 +247,8 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
              inputs):
     """The second sampler, dispatched after a step only when one of its rows asks for top-k/top-p, logprobs or a
     grammar. inputs: one int32 vector, [R, W] token bitmask if masked (W = ceil(V / 32) words, bit v % 32 of word
-    v // 32 = token v allowed, all ones for free rows), then [R, SAMPLER_ROW_FIELDS] per-row fields (temperature bits,
-    top_k, top_p bits, key (2 words), sample index, logprobs wanted, n forced, FORCED_SET candidates), then a
+    v // 32 = token v allowed, all ones for free rows), then [R, SAMPLER_ROW_FIELDS] per-row fields (`SamplerColumns`),
+    then a
     carrier: words copied into `carrier_buf` (the next step's packed input, so that it needs no transfer of its own;
     the buffer is donated and persistent, so the step that reads it always finds it at the same address, and nothing
     is allocated per step). Every row is re-sampled
@@ -247,17 +261,18 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     W = -(-V // 32) if masked else 0
     rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
     carrier = inputs[R * (W + SAMPLER_ROW_FIELDS):]
-    temperature = jax.lax.bitcast_convert_type(rows[:, 0], jnp.float32)
-    top_p = jax.lax.bitcast_convert_type(rows[:, 2], jnp.float32)
-    key = jax.lax.bitcast_convert_type(rows[:, 3:5], jnp.uint32)
+    C = SamplerColumns
+    temperature = jax.lax.bitcast_convert_type(rows[:, C.TEMPERATURE], jnp.float32)
+    top_p = jax.lax.bitcast_convert_type(rows[:, C.TOP_P], jnp.float32)
+    key = jax.lax.bitcast_convert_type(rows[:, C.KEY], jnp.uint32)
     scores = logits
     if masked:
         scores = jnp.where(unpack_bitmask(inputs[:R * W].reshape(R, W), V), logits, -jnp.inf)
     if filtered or masked:  # (a row the step marked NONFINITE stays marked)
-        fresh = (sample(scores, temperature, rows[:, 1], top_p, key, rows[:, 5]) if filtered
-                 else sample_plain(scores, temperature, key, rows[:, 5]))
+        fresh = (sample(scores, temperature, rows[:, C.TOP_K], top_p, key, rows[:, C.SAMPLE_INDEX]) if filtered
+                 else sample_plain(scores, temperature, key, rows[:, C.SAMPLE_INDEX]))
         tokens = jnp.where(tokens == NONFINITE, NONFINITE, fresh)
-    tokens = _forced(logits, tokens, rows[:, 7], rows[:, 8:8 + FORCED_SET])
+    tokens = _forced(logits, tokens, rows[:, C.N_FORCED], rows[:, C.FORCED])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
     if carrier.size:
