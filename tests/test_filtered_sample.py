@@ -4,6 +4,8 @@ XLA loops, edge rows, and no sort in the lowered sampler."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,17 @@ from pallas_kernels.filtered_sample import filtered_sample, filtered_sample_xla,
 # (top_k, top_p) settings: each filter alone, both, a nucleus of one token, k >= V, k = 1, nothing
 SETTINGS = [(0, 0.9), (0, 0.5), (0, 0.1), (0, 0.999), (0, 1e-6), (50, 1.0), (1, 1.0), (3, 0.5), (200, 0.9),
             (10_000, 0.8), (0, 1.0)]
+
+
+# Jitted once per module (an eager call traces and compiles the whole loop again each time: ~5 s a call here, while a
+# jitted one is reused across the settings and the parametrized cases of a shape)
+_sample, _sample_reference, _xla_loops = jax.jit(sample), jax.jit(sample_reference), jax.jit(filtered_sample_xla)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "count_block", "unroll", "compact_cap"))
+def _kernel(scaled, noisy, k, p, **static):
+    """The Pallas kernel in interpret mode."""
+    return filtered_sample(scaled, noisy, k, p, interpret=True, **static)
 
 
 def _rows(kind: str, R: int, V: int, seed: int) -> np.ndarray:
@@ -47,7 +60,7 @@ def test_same_tokens_as_the_sort_based_definition(kind):
     x = _rows(kind, 48, 3000, seed=len(kind))
     logits, temp, kd, idx = _inputs(x, temperature=0.8)
     R = x.shape[0]
-    fast, ref = jax.jit(sample), jax.jit(sample_reference)
+    fast, ref = _sample, _sample_reference
     for k, p in SETTINGS:
         kk, pp = jnp.full(R, k, jnp.int32), jnp.full(R, p, jnp.float32)
         got, want = np.asarray(fast(logits, temp, kk, pp, kd, idx)), np.asarray(ref(logits, temp, kk, pp, kd, idx))
@@ -60,8 +73,8 @@ def test_ties_keep_every_tied_value_at_the_threshold():
     logits, temp, kd, idx = _inputs(x)
     for k in (1, 7, 60, 333):
         kk, pp = jnp.full(32, k, jnp.int32), jnp.ones(32, jnp.float32)
-        assert (np.asarray(sample(logits, temp, kk, pp, kd, idx))
-                == np.asarray(sample_reference(logits, temp, kk, pp, kd, idx))).all(), k
+        assert (np.asarray(_sample(logits, temp, kk, pp, kd, idx))
+                == np.asarray(_sample_reference(logits, temp, kk, pp, kd, idx))).all(), k
 
 
 def test_mixed_rows_greedy_and_filters_in_one_batch():
@@ -74,8 +87,8 @@ def test_mixed_rows_greedy_and_filters_in_one_batch():
     temp = jnp.asarray([0.0, 1.0, 1.0, 0.7, 1.3, 0.0], jnp.float32)
     kk = jnp.asarray([5, 0, 0, 40, 0, 0], jnp.int32)
     pp = jnp.asarray([0.5, 1.0, 0.9, 1.0, 0.3, 1.0], jnp.float32)
-    got = np.asarray(sample(logits, temp, kk, pp, kd, idx))
-    assert (got == np.asarray(sample_reference(logits, temp, kk, pp, kd, idx))).all()
+    got = np.asarray(_sample(logits, temp, kk, pp, kd, idx))
+    assert (got == np.asarray(_sample_reference(logits, temp, kk, pp, kd, idx))).all()
     assert got[0] == got[5] == 0 or (got[0] == int(jnp.argmax(logits[0])) and got[5] == int(jnp.argmax(logits[5])))
     assert got[1] == int(sample_plain(logits, temp, kd, idx)[1])
 
@@ -91,9 +104,8 @@ def test_pallas_kernel_equals_the_xla_loops(kind, unroll):
                              jnp.zeros(8, jnp.int32))
     for k, p in [(0, 0.9), (50, 1.0), (3, 0.5), (0, 0.1), (0, 1.0)]:
         kk, pp = jnp.full(8, k, jnp.int32), jnp.full(8, p, jnp.float32)
-        want = np.asarray(filtered_sample_xla(scaled, noisy, kk, pp))
-        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, unroll=unroll,
-                                         interpret=True))
+        want = np.asarray(_xla_loops(scaled, noisy, kk, pp))
+        got = np.asarray(_kernel(scaled, noisy, kk, pp, block=256, count_block=64, unroll=unroll))
         assert (got == want).all(), (kind, k, p)
 
 
@@ -104,7 +116,7 @@ def test_rows_with_nothing_allowed_or_one_token_allowed():
     x[2, [3, 400]] = [1.0, 1.0]  # two tied tokens
     logits, temp, kd, idx = _inputs(x)
     for k, p in [(0, 0.9), (5, 1.0), (1, 0.5), (0, 1e-6)]:
-        got = np.asarray(sample(logits, temp, jnp.full(3, k, jnp.int32), jnp.full(3, p, jnp.float32), kd, idx))
+        got = np.asarray(_sample(logits, temp, jnp.full(3, k, jnp.int32), jnp.full(3, p, jnp.float32), kd, idx))
         assert 0 <= got[0] < V and got[1] == 17 and got[2] in (3, 400), (k, p, got)
 
 
@@ -120,7 +132,7 @@ def test_distribution_of_a_flat_nucleus_matches_the_definition():
     keep = order[: np.searchsorted(np.cumsum(p[order]), 0.6) + 1]
     logits = jnp.broadcast_to(jnp.asarray(row), (n, V))
     kd = jnp.broadcast_to(jnp.asarray(seed_key_data(11)), (n, 2))
-    out = np.asarray(jax.jit(sample)(logits, jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.full(n, 0.6), kd,
+    out = np.asarray(_sample(logits, jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.full(n, 0.6), kd,
                                      jnp.arange(n, dtype=jnp.int32)))
     freq = np.bincount(out, minlength=V) / n
     assert set(np.flatnonzero(freq)) <= set(keep.tolist())
@@ -208,9 +220,8 @@ def test_top_k_over_the_compacted_candidates_equals_the_xla_loops(cap):
                              jnp.zeros(R, jnp.int32))
     for k, p in [(50, 1.0), (3, 0.5), (200, 0.9), (1, 1.0), (1000, 0.95), (0, 0.9)]:
         kk, pp = jnp.full(R, k, jnp.int32), jnp.full(R, p, jnp.float32)
-        want = np.asarray(filtered_sample_xla(scaled, noisy, kk, pp))
-        got = np.asarray(filtered_sample(scaled, noisy, kk, pp, block=256, count_block=64, compact_cap=cap,
-                                         interpret=True))
+        want = np.asarray(_xla_loops(scaled, noisy, kk, pp))
+        got = np.asarray(_kernel(scaled, noisy, kk, pp, block=256, count_block=64, compact_cap=cap))
         assert (got == want).all(), (cap, k, p, np.flatnonzero(got != want))
 
 
