@@ -17,7 +17,8 @@ PACKAGES = ("jphoton", "pallas_kernels")
 # device), so that they load fast and can be tested and reused without an accelerator stack.
 JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
             "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
-            "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config")
+            "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config", "jphoton.engine.driver",
+            "jphoton.engine.lifecycle")
 
 
 @pytest.mark.parametrize("module", JAX_FREE)
