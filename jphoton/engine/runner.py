@@ -179,7 +179,6 @@ class Runner:
         # base variants carry no LoRA op: an engine with adapters loaded serves base rows at base speed).
         self._steps = {(f, lo): jit(functools.partial(step, filtered=f, lora=lo))
                        for f in (False, True) for lo in ((False, True) if self.lora_enabled else (False,))}
-        self._step = self._steps[False, False]  # the base program (lab/ probes call it directly)
         # None: compile on demand (no warm-up); else the shapes whose filtered variants are compiled so far (Warmup
         # fills it), and a step whose variant is not ready yet samples through the second sampler instead.
         self.filtered_ready: set[StepShape] | None = None
@@ -385,6 +384,11 @@ class Runner:
                 rows[out_row, C.N_FORCED] = len(tokens)
                 rows[out_row, C.FORCED.start:C.FORCED.start + len(tokens)] = tokens
         return inp
+
+    @property
+    def last_launched(self) -> DecodeSlot | None:
+        """The slot of the step launched last (its tokens are the next step's carry-over)."""
+        return self._last_launched
 
     def launch(self, step: PlannedStep, defer_sampling: bool = False) -> DecodeSlot:
         """Dispatch the step into the next free slot and start copying its tokens to the host. Never waits.
