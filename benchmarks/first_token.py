@@ -100,7 +100,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:  # (fewer shapes to compile, twice: here and in the server's engine process)
         args.reps = min(args.reps, 3)
-        ENGINE.update(max_num_seqs=2, max_num_batched_tokens=32, decode_buckets=(1, 2), prefill_buckets=((1, 32),))
+        ENGINE.update(max_num_seqs=2, max_num_batched_tokens=32, decode_buckets=(1, 2), prefill_buckets=((1, 32),),
+                      warmup="off")  # (the shapes one request uses compile on first use: the warm-up request)
     from jphoton import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, **ENGINE)

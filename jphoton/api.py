@@ -1,4 +1,5 @@
-"""The public Python API: `LLM` validates and tokenizes requests and hands them to the engine."""
+"""The public Python API: `LLM`, the facade over the request builder (jphoton/requests.py), the engine and its loop
+(engine/driver.py): generate, chat, stream, step by step, LoRA adapters, stats."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import jax
-import numpy as np
 
 from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compile_worker, compiles
@@ -34,13 +34,11 @@ from jphoton.models.tensor_parallel import make_mesh
 from jphoton.params import (
     Completion,
     SamplingParams,
-    check_choice_tokens,
-    check_limits,
     short,
     text_bytes,
-    text_size_error,
     utf8_len,
 )
+from jphoton.requests import RequestBuilder, eos_token_ids
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
 from jphoton.weights.peft import load_peft_adapter
@@ -120,10 +118,7 @@ class LLM:
             cfg = dataclasses.replace(cfg, num_kv_pages=default_num_pages(self.config, cfg, self.model.params))
         self.engine_config: EngineConfig = cfg
         self.max_model_len = cfg.max_model_len
-        self._seed_rng = np.random.default_rng(cfg.seed)
-        self._bytes_per_token: int | None = None
-        self._next_id = 0
-        self._lock = threading.RLock()  # request ids and seeds, when callers prepare requests from several threads
+        self._lock = threading.RLock()  # (the count of callers ticking)
         # The engine state (scheduler, slots, output queues) is touched under _engine_lock only. Several threads may call
         # generate/stream at once: each ticks the engine in turn (their requests share the batches) and every output
         # goes to its own request's queue, whoever ticked. While an AsyncLLM drives this LLM, its thread alone ticks;
@@ -133,8 +128,12 @@ class LLM:
         self._driving_thread: int | None = None  # the thread that owns the loop while an AsyncLLM drives this LLM
         self._wake_driver: Callable[[], None] | None = None  # its wake-up, called when a request is added
         self._callers = 0  # threads inside _run_until (generate/stream/close) right now
-        self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self._eos_ids())
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
+        self.grammar = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.engine = Engine(self.model, cfg, cfg.num_kv_pages, self.grammar)
+        # validation, tokenizing, constraint compiles, ids and seeds (jphoton/requests.py), under this LLM's config
+        self.requests = RequestBuilder(self.config, self.tokenizer, self.model.name, self.max_model_len, self.grammar,
+                                       self.engine.pages, self.engine.loras, lambda: self.engine_config, cfg.seed)
         self.driver = Driver(self)  # the engine loop (engine/driver.py): `step` is one of its ticks
         log.info("engine: %s", _describe(cfg, self.engine.runner.kv_bytes))
         self.warmup = Warmup(self.engine.runner, self.engine.scheduler, cfg.warmup, cfg.progress,
@@ -153,7 +152,7 @@ class LLM:
         """Generate for one prompt or a list; returns one Completion per prompt, in order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        seqs = self._make_sequences([self._prompt_ids(p) for p in prompts], params)
+        seqs = self.requests.sequences([self.requests.prompt_ids(p) for p in prompts], params)
         for s in seqs:
             self._submit(s)
         try:
@@ -175,13 +174,13 @@ class LLM:
         """Deltas (`.text`, `.token_ids`, `.finish_reason` on the last) as tokens are committed. Use it in a `with`
         block (or call `.close()`): leaving the block early aborts the request and returns its KV pages. A stream you
         stop reading but still hold keeps its request (and pages) until it is closed or garbage-collected."""
-        [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        [seq] = self.requests.sequences([self.requests.prompt_ids(prompt)], params)
         return Stream(self._stream(seq), seq.request_id)
 
     def stream_one(self, prompt: Prompt, params: SamplingParams | None = None,
                    on_delta: Callable[[Delta], None] | None = None) -> Completion:
         """Generate for one prompt, calling `on_delta` as each token is committed (what the CLI prints)."""
-        [seq] = self._make_sequences([self._prompt_ids(prompt)], params)
+        [seq] = self.requests.sequences([self.requests.prompt_ids(prompt)], params)
         for delta in self._stream(seq):
             if on_delta is not None:
                 on_delta(delta)
@@ -198,24 +197,24 @@ class LLM:
             raise ValueError(f"a chat message is a dict with a string 'content', got {short(bad[0])}")
         if not messages[-1]["content"].strip():
             raise ValueError("empty prompt: the last chat message is blank")
-        self._check_prompt_size(sum(text_bytes(m["content"]) for m in messages))
-        tok = self._require_tokenizer()
+        self.requests.check_prompt_size(sum(text_bytes(m["content"]) for m in messages))
+        tok = self.requests.require_tokenizer()
         text = tok.apply_chat_template(messages)
-        self._check_prompt_size(utf8_len(text), rendered=True)
-        return self._encode_within(text, add_special_tokens=False)  # (the template writes BOS where the model wants)
+        self.requests.check_prompt_size(utf8_len(text), rendered=True)
+        return self.requests.encode_within(text, add_special_tokens=False)  # (the template writes BOS where the model wants)
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
     def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                         request_id: int | None = None) -> Sequence:
         """Validate and tokenize a request without queueing it (safe from any thread); `add_request` queues it.
         Raises ValueError on bad input. request_id: one taken with `new_request_id()` (default: a new one)."""
-        ids = self._prompt_ids(prompt)
-        [seq] = self._make_sequences([ids], params, None if request_id is None else [request_id])
+        ids = self.requests.prompt_ids(prompt)
+        [seq] = self.requests.sequences([ids], params, None if request_id is None else [request_id])
         return seq
 
     def new_request_id(self) -> int:
         """A request id, unique for this LLM (for a request prepared later: `prepare_request(request_id=...)`)."""
-        return self._new_request_id()
+        return self.requests.new_request_id()
 
     def add_request(self, prompt: Prompt | Sequence, params: SamplingParams | None = None) -> int:
         """Queue a request (a prompt, or what `prepare_request` returned) and return its id; `step` runs it."""
@@ -343,6 +342,11 @@ class LLM:
         with self._engine_lock:
             return self.engine.unload_lora(name)
 
+    def text_limits(self) -> dict:
+        """What `text_size_error` (jphoton/params.py) needs to refuse an oversized text prompt without this LLM (the
+        gRPC server checks before it forwards a prompt to the engine process)."""
+        return self.requests.text_limits()
+
     def list_loras(self) -> list[dict]:
         """The loaded adapters: name, slot, rank, source (path) and running (requests using it now)."""
         with self._engine_lock:
@@ -460,162 +464,6 @@ class LLM:
         self._run_until(lambda: seq.status == "released" or not self.engine.has_work())
         with self._engine_lock:
             self._outputs.pop(seq.request_id, None)
-
-    # ---- validation -------------------------------------------------------------------------------------------------
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.model.name!r} has no tokenizer: pass prompts as "
-                             "{'prompt_token_ids': [...]} (text output is unavailable too)")
-        return self.tokenizer
-
-    def _check_prompt_size(self, num_bytes: int, rendered: bool = False) -> None:
-        """Refuse text that is over the byte limit, or that cannot fit the context whatever it tokenizes to, before
-        any tokenizing (a 15 MB prompt would hold a thread for ~20 s to learn it has 4 million tokens)."""
-        error = text_size_error(num_bytes, **self.text_limits(), rendered=rendered)
-        if error:
-            raise ValueError(error)
-
-    def text_limits(self) -> dict:
-        """What `text_size_error` (jphoton/params.py) needs to refuse an oversized text prompt without this LLM (the
-        gRPC server checks before it forwards a prompt to the engine process)."""
-        return {"max_prompt_bytes": self.engine_config.limits.max_prompt_bytes,
-                "bytes_per_token": self._max_bytes_per_token() if self.tokenizer is not None else 2**62,
-                "max_model_len": self.max_model_len}
-
-    def _max_bytes_per_token(self) -> int:
-        """Most UTF-8 bytes of input text one token can stand for (Tokenizer.max_input_bytes_per_token: the longest
-        vocabulary entry in input bytes, times 4 if the tokenizer normalizes text)."""
-        if self._bytes_per_token is None:
-            tok = self._require_tokenizer()
-            # A tokenizer without the method (a user's own): no bound, only the byte limit applies.
-            if hasattr(tok, "max_input_bytes_per_token"):
-                self._bytes_per_token = tok.max_input_bytes_per_token()
-            else:
-                self._bytes_per_token = 4 * tok.max_token_bytes() if hasattr(tok, "max_token_bytes") else 2**62
-        return self._bytes_per_token
-
-    def _encode_within(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The text's token ids; ValueError for a text that cannot fit the context, found from a part of it when the
-        text is long (Tokenizer.encode_within: a 2 MB prompt is refused in ~0.1 s, not tokenized whole in ~2 s)."""
-        tok = self._require_tokenizer()
-        if not hasattr(tok, "encode_within"):  # a user's own tokenizer
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-        ids = tok.encode_within(text, self.max_model_len, add_special_tokens)
-        if isinstance(ids, int):
-            raise ValueError(f"prompt has at least {ids} tokens; the context holds {self.max_model_len}")
-        return ids
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("empty prompt" if not prompt else "empty prompt (only whitespace)")
-            self._check_prompt_size(text_bytes(prompt))
-            ids = self._encode_within(prompt)
-        elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt_token_ids"}
-            if unknown or "prompt_token_ids" not in prompt:
-                raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}}, got keys {sorted(prompt)}")
-            ids = prompt["prompt_token_ids"]
-            if isinstance(ids, np.ndarray):
-                ids = ids.tolist()
-            if type(ids) is list and all(type(t) is int for t in ids):  # (the usual case, ~10x faster: served
-                ids = list(ids)  # prompts are prepared on the engine's thread)
-            elif not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer))
-                                                               and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            else:
-                ids = [int(t) for t in ids]
-        else:
-            raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("empty prompt (no tokens)")
-        if len(ids) >= self.max_model_len:  # before the scan below: a 2 MB prompt is half a million ids
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
-
-    def _make_sequences(self, prompt_ids: list[list[int]],
-                        params: SamplingParams | Iterable[SamplingParams] | None,
-                        request_ids: list[int] | None = None) -> list[Sequence]:
-        if not prompt_ids:
-            raise ValueError("no prompts given")
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompt_ids) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompt_ids):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(prompt_ids)} prompts")
-        seqs = []
-        for ids, p in zip(prompt_ids, plist, strict=True):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-            if p.max_tokens is not None and len(ids) + p.max_tokens > self.max_model_len and p.choice is None:
-                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the context "
-                                 f"({self.max_model_len}); lower max_tokens or pass max_tokens=None")
-            check_limits(p, self.engine_config.limits)
-            new_tokens = p.max_tokens or self.max_model_len - len(ids)
-            options = None
-            if p.choice is not None:  # one sequence per option, each the option and its end (constrain/choice.py)
-                options = self._choice_options(p.choice, p.max_tokens, self.max_model_len - len(ids))
-                new_tokens = max(map(len, options)) + 1
-            pool = self.engine.pages
-            need = pool.pages_for(len(ids) + new_tokens)
-            if need > pool.num_pages:
-                raise ValueError(f"request needs {need} KV pages but the whole pool holds {pool.num_pages}; "
-                                 "lower max_tokens or give the engine more KV memory")
-            if p.logprobs and p.logprobs > self.engine_config.max_logprobs:
-                raise ValueError(f"logprobs={p.logprobs} exceeds this engine's max_logprobs={self.engine_config.max_logprobs}")
-            bad = [t for t in p.stop_token_ids if t >= self.config.vocab_size]
-            if bad:
-                raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-            if p.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-            if p.lora is not None and p.lora not in self.engine.loras:
-                raise ValueError(self.engine.loras.unknown(p.lora))
-            constraint = self.grammar.compile(p)  # a bad schema/regex/grammar fails here, before anything is queued
-            with self._lock:
-                seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**63))
-                rid = request_ids[len(seqs)] if request_ids is not None else self._new_request_id()
-            seq = Sequence(rid, ids, p, tokenizer=self.tokenizer, eos_token_ids=self._eos_ids(),
-                           max_model_len=self.max_model_len, seed=seed)
-            seq.constraint = constraint
-            seq.choice_options = options
-            seqs.append(seq)
-        return seqs
-
-    def _choice_options(self, options: tuple[str, ...], max_tokens: int | None, room: int) -> list[list[int]]:
-        """A choice's options as token ids. ValueError for one longer than max_tokens, or that cannot fit the context
-        (`room` tokens after the prompt) with its end (scoring the end takes one more position)."""
-        tok = self._require_tokenizer()
-        encoded = [tok.encode(o, add_special_tokens=False) for o in options]
-        for i, ids in enumerate(encoded):
-            name = f"choice option {i} ({short(options[i], 40)}) is {len(ids)} tokens"
-            if not ids:
-                raise ValueError(f"choice option {i} ({short(options[i], 40)}) is no tokens")
-            if max_tokens is not None and len(ids) > max_tokens:
-                raise ValueError(f"{name}; max_tokens is {max_tokens}")
-            if len(ids) + 1 > room:
-                raise ValueError(f"{name}; with its end it needs {len(ids) + 1} positions after the prompt and the "
-                                 f"context has {room}")
-        check_choice_tokens(encoded, self.engine_config.limits)
-        return encoded
-
-    def _new_request_id(self) -> int:
-        with self._lock:
-            rid = self._next_id
-            self._next_id += 1
-            return rid
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        # A resized random model may keep its preset's EOS ids past the vocabulary: they can never be sampled.
-        return tuple(sorted(i for i in ids if 0 <= i < self.config.vocab_size))
-
 
 def _load_tokenizer(path, vocab_size: int):
     from jphoton.text.tokenizer import Tokenizer

@@ -137,8 +137,8 @@ SamplingParams.__init__ = _checked_init
 def text_size_error(num_bytes: int, max_prompt_bytes: int, bytes_per_token: int, max_model_len: int,
                     rendered: bool = False) -> str | None:
     """Why a text prompt of `num_bytes` UTF-8 bytes is refused before any tokenizing, or None. `bytes_per_token`: the
-    most input bytes one token can stand for (LLM._max_bytes_per_token). rendered: a chat after its template (the
-    byte limit was checked on the messages)."""
+    most input bytes one token can stand for (jphoton/requests.py `RequestBuilder.max_bytes_per_token`). rendered: a
+    chat after its template (the byte limit was checked on the messages)."""
     if num_bytes > max_prompt_bytes and not rendered:
         return f"prompt is {num_bytes} bytes; this engine accepts at most {max_prompt_bytes} (max_prompt_bytes)"
     least = -(-num_bytes // bytes_per_token)

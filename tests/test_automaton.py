@@ -29,7 +29,7 @@ def vocab(embedded_llm):
     import llguidance
 
     tok = embedded_llm.tokenizer
-    voc = AutomatonVocab(token_bytes(tok), embedded_llm.config.vocab_size, embedded_llm._eos_ids())
+    voc = AutomatonVocab(token_bytes(tok), embedded_llm.config.vocab_size, embedded_llm.eos_token_ids)
     return tok, voc, llguidance.LLTokenizer(tok.hf_json(), n_vocab=voc.vocab_size, eos_token=list(voc.eos_ids))
 
 

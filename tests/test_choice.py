@@ -70,7 +70,7 @@ def test_branches_share_the_prompts_full_pages(embedded_llm):
     encoded = [llm.tokenizer.encode(o, add_special_tokens=False) for o in options]
     processed = sum(r.tokens for r in llm.telemetry.records)
     assert processed <= len(prompt) + len(options) * page + sum(len(e) + 1 for e in encoded)
-    eos = llm._eos_ids()
+    eos = llm.eos_token_ids
     seqs = [np.array(prompt + ids + [eos[0]], np.int32) for ids in encoded]
     expect = []  # one padded batch: one compile
     for seq, logits in zip(seqs, llama.reference_logits(llm.model.params, llm.config, seqs), strict=True):
@@ -160,7 +160,7 @@ def test_branches_are_forced_on_the_device_or_end_under_a_host_mask(embedded_llm
     llm = embedded_llm
     prompt = llm.encode_chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
     options = [" yes", " no", "Yes, it is"]
-    stops = sorted({*llm._eos_ids(), *llm.tokenizer.encode(". ! ? , and", add_special_tokens=False)[:extra]})
+    stops = sorted({*llm.eos_token_ids, *llm.tokenizer.encode(". ! ? , and", add_special_tokens=False)[:extra]})
     assert (len(stops) <= FORCED_SET) == (extra == 2)
     before = llm.engine.num_constrained_steps
     [out] = llm.generate({"prompt_token_ids": prompt},

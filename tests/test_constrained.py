@@ -220,7 +220,7 @@ def test_mask_fill_modes_agree_and_auto_picks_one(embedded_llm, monkeypatch, cap
     from jphoton.constrain import compiler as C
 
     monkeypatch.setattr(C, "AUTO_TRIALS", 3)
-    grammar = C.GrammarCompiler(embedded_llm.tokenizer, embedded_llm.config.vocab_size, embedded_llm._eos_ids())
+    grammar = C.GrammarCompiler(embedded_llm.tokenizer, embedded_llm.config.vocab_size, embedded_llm.eos_token_ids)
     ids = embedded_llm.tokenizer.encode('{"name":"Ada Lovelace","age":36,"address":{"city":"London","zip":"12345"}}')
     rows = []
     for i in range(8):  # eight matchers at different points of one valid document

@@ -36,7 +36,7 @@ def test_mixed_batch_matches_hf_reference_and_alone(request, hf, depth):
         assert out.token_ids == ref[:n]
         assert out.finish_reason == "length"
     # the dense-cache reference decoder, on the same batch
-    seqs = llm._make_sequences([p for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
+    seqs = llm.requests.sequences([p for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
     ReferenceDecoder(llm.config, llm.model.params).run(seqs)
     assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
     # each prompt alone (two of them, to keep the suite fast)
@@ -55,7 +55,7 @@ def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, emb
             while pending and arrivals[len(seqs)] <= step:
                 i = pending.pop(0)
                 params = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0, ignore_eos=i % 2 == 0)
-                [s] = llm._make_sequences([hf[i][0]], params)
+                [s] = llm.requests.sequences([hf[i][0]], params)
                 llm._submit(s)
                 seqs.append(s)
             if len(seqs) > 2 and len(seqs[2].output_ids) >= 3:  # keyed to tokens: ticks differ between depths
@@ -178,7 +178,7 @@ def test_zombie_rides_along_and_appends_nothing(embedded_llm, hf):
     llm = embedded_llm
     prompt, ref = hf[0]
     stop_at = ref[2]  # the third greedy token
-    [seq] = llm._make_sequences([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
+    [seq] = llm.requests.sequences([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
     llm._submit(seq)
     refs_at_launch = []
     launch = llm.engine.runner.launch
@@ -314,7 +314,7 @@ def test_chunked_prefill_of_a_long_prompt_matches_the_reference(request, hf, dep
     long_prompt = (hf[0][0] + hf[1][0] + hf[2][0] + hf[0][0] + hf[4][0])[:150]
     prompts = [long_prompt, hf[3][0]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
-    seqs = llm._make_sequences(prompts, _greedy(12))
+    seqs = llm.requests.sequences(prompts, _greedy(12))
     ReferenceDecoder(llm.config, llm.model.params).run(seqs)
     assert [o.token_ids for o in outs] == [s.output_ids for s in seqs]
     assert len(long_prompt) > 2 * max(t for _, t in llm.engine.scheduler.config.prefill_buckets)

@@ -173,7 +173,7 @@ def test_engine_sampled_tokens_equal_the_reference_decoder(embedded_llm):
               SamplingParams(max_tokens=12, temperature=0.7, top_k=50, top_p=0.6, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0, top_p=0.5, ignore_eos=True)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    seqs = llm._make_sequences(prompts, params)
+    seqs = llm.requests.sequences(prompts, params)
     ReferenceDecoder(llm.config, llm.model.params).run(seqs)
     assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
     assert len(set(outs[0].token_ids)) > 3  # really sampled

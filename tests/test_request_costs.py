@@ -206,10 +206,10 @@ def test_a_long_text_prompt_is_refused_from_a_part_of_it(embedded_llm, monkeypat
     fits = unit * k
     assert len(fits) > 16 * ctx
     seen.clear()
-    ids = llm._prompt_ids(fits)  # (prepare_request's prompt step: this engine's KV pool is smaller than a context)
+    ids = llm.requests.prompt_ids(fits)  # (prepare_request's prompt step: this engine's KV pool is smaller than a context)
     assert ids == tok.encode(fits) and len(ids) <= ctx - 1
     assert len(seen) >= 2 and max(seen) == len(fits)  # a part first, then the whole
-    refused(lambda: llm._prompt_ids(fits + unit * 4), r"prompt has \d+ tokens; the context holds")
+    refused(lambda: llm.requests.prompt_ids(fits + unit * 4), r"prompt has \d+ tokens; the context holds")
 
 
 def test_the_tokenizer_helper_process_takes_the_part_too(embedded_llm):

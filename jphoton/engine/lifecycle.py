@@ -24,11 +24,8 @@ class Lifecycle:
 
     # ---- admission and aborts ----------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        longest = seq.max_new_tokens if seq.choice_options is None else max(map(len, seq.choice_options)) + 1
-        need = self.pages.pages_for(len(seq.prompt_ids) + longest)
-        if need > self.pages.num_pages:
-            raise ValueError(f"request needs {need} KV pages ({len(seq.prompt_ids)} prompt + {longest} new "
-                             f"tokens) but the whole pool has {self.pages.num_pages}")
+        """Queue a request built by jphoton/requests.py (which checked it, its fit in the KV pool included). ValueError
+        only for an adapter unloaded since it was checked."""
         if seq.params.lora is not None:  # a reference on the adapter's slot until the sequence is released
             seq.lora_slot, seq.lora_key = self.loras.acquire(seq.params.lora)
         if seq.choice_options is not None:  # scored on one branch per option (constrain/choice.py); seq never runs
