@@ -1,8 +1,8 @@
-"""A request's life outside the tick: admission (the KV pages it needs at most, its LoRA slot reference, its automaton's
-device rows, a `choice`'s branches), aborts, errors, and release (its pages once no launched step references it, its
-adapter slot, its automaton rows; a choice is released with its last branch). Plain Python: `Lifecycle` is the part
-of `pipeline.Engine` that the tick calls but that is not the tick (it uses the engine's scheduler, page pool, LoRA
-slots, automaton pool and runner).
+"""A request's life outside the tick: admission (its LoRA slot reference, its automaton's device rows, a `choice`'s
+branches; jphoton/requests.py checked that it fits the KV pool), aborts, errors, and release (its pages once no
+launched step references it, its adapter slot, its automaton rows; a choice is released with its last branch).
+Plain Python: `Lifecycle` is the part of `pipeline.Engine` that the tick calls but that is not the tick (it uses the
+engine's scheduler, page pool, LoRA slots, automaton pool and runner).
 
 Invariants: a sequence is in `sequences` from `add` until released; finalized (result emitted) comes before
 released; a choice request never runs itself (its branches, ids counting down from -1, do).
