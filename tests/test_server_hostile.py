@@ -28,7 +28,8 @@ from jphoton.sequence import Delta, RequestOutput
 from jphoton.server import jphoton_pb2 as pb
 from jphoton.server import jphoton_pb2_grpc as pb_grpc
 from jphoton.server.app import ENGINE_FAILED_EXIT, Server, ServerThread, serve
-from jphoton.server.service import SERVICE_NAME, RequestBounds
+from jphoton.server.service import SERVICE_NAME
+from jphoton.server.wire import RequestBounds
 
 from conftest import ENGINE_ARGS, FIXTURES
 
