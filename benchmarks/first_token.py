@@ -58,7 +58,8 @@ def async_path(llm, prompt, params, reps: int, gap: float) -> list[float]:
         engine.shutdown()
 
 
-def serve_path(model, dtype, prompt_ids, max_tokens: int, reps: int, gap: float) -> list[float]:
+def serve_path(model, dtype, prompt_ids, max_tokens: int, reps: int, gap: float) -> tuple[list[float], list[float]]:
+    """First-token times through gRPC, and the round trips of a unary call (GetModelInfo) to the same server."""
     import grpc
 
     from jphoton import LLM
@@ -72,7 +73,12 @@ def serve_path(model, dtype, prompt_ids, max_tokens: int, reps: int, gap: float)
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids),
                                      sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         list(stub.Generate(request, timeout=120))  # the channel's connection, the server's first call
-        out = []
+        out, rtt = [], []
+        for _ in range(reps):  # the transport alone: a unary call the frontend answers without the engine
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=120)
+            rtt.append(time.perf_counter() - t0)
         for _ in range(reps):
             time.sleep(gap)
             t0 = time.perf_counter()
@@ -82,7 +88,7 @@ def serve_path(model, dtype, prompt_ids, max_tokens: int, reps: int, gap: float)
                     out.append(time.perf_counter() - t0)
                     break
             call.cancel()
-        return out
+        return out, rtt
     finally:
         server.stop()
 
@@ -112,16 +118,18 @@ def main() -> None:
     times = {"LLM": llm_path(llm, prompt, params, args.reps, args.gap),
              "AsyncLLM": async_path(llm, prompt, params, args.reps, args.gap)}
     del llm
-    times["jphoton serve"] = serve_path(args.model, args.dtype, ids, args.max_tokens, args.reps, args.gap)
+    times["jphoton serve"], rtt = serve_path(args.model, args.dtype, ids, args.max_tokens, args.reps, args.gap)
     base = statistics.median(times["LLM"])
     rows = [{"entry": k, "ttft_ms_p50": 1e3 * statistics.median(v), "ttft_ms_min": 1e3 * min(v),
              "ttft_ms_max": 1e3 * max(v), "vs_llm": statistics.median(v) / base, "reps": len(v)}
             for k, v in times.items()]
+    grpc_rtt_ms = 1e3 * statistics.median(rtt)
     for r in rows:
         print(f"{r['entry']:>14}: first token p50 {r['ttft_ms_p50']:8.2f} ms (min {r['ttft_ms_min']:.2f}, max "
               f"{r['ttft_ms_max']:.2f}), x{r['vs_llm']:.3f} the LLM path", flush=True)
+    print(f"gRPC round trip of a unary call (GetModelInfo, no engine): p50 {grpc_rtt_ms:.2f} ms", flush=True)
     result = {"model": args.model or "embedded", "engine": ENGINE, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "gap_s": args.gap, "rows": rows}
+              "max_tokens": args.max_tokens, "gap_s": args.gap, "rows": rows, "grpc_unary_rtt_ms_p50": grpc_rtt_ms}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
