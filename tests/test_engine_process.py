@@ -143,8 +143,11 @@ def _collect(responses):
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
 
 
-def test_64_streams_with_cancels_and_aborts_free_every_page(proc_srv):
+def test_24_streams_with_cancels_and_aborts_free_every_page(proc_srv):
+    """3x the child's batch (ENGINE_ARGS' max_num_seqs 8): streams queue behind running ones while others are
+    cancelled and aborted (64 streams tested the same on 2 cores at 2.7x the time)."""
     handle, stub, *_ = proc_srv
+    streams = 3 * ENGINE_ARGS["max_num_seqs"]
     compiles = _stats(stub).num_compiles
 
     async def run():
@@ -167,10 +170,10 @@ def test_64_streams_with_cancels_and_aborts_free_every_page(proc_srv):
                         return m.finish_reason
                 return "cancelled"
 
-            return await asyncio.gather(*(one(i) for i in range(64)))
+            return await asyncio.gather(*(one(i) for i in range(streams)))
 
     reasons = asyncio.run(run())
-    assert reasons.count("cancelled") == 22 and reasons.count("abort") == 21 and reasons.count("length") == 21
+    assert reasons.count("cancelled") == reasons.count("abort") == reasons.count("length") == streams // 3 == 8
     s = _wait_idle(stub)
     assert s.kv_pages_free + s.kv_pages_evictable == s.kv_pages_total and s.num_compiles == compiles
 
