@@ -28,17 +28,34 @@ def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def dense_reference():
+    """The dense-cache reference decoder's greedy tokens for (prompts, max_tokens): run once per batch and shared by
+    the tests' depths (it does not depend on the engine; every embedded engine holds the same weights)."""
+    results, decoders = {}, {}
+
+    def run(llm, prompts, lengths):
+        key = (tuple(tuple(p) for p in prompts), tuple(lengths))
+        if key not in results:
+            if "decoder" not in decoders:
+                decoders["decoder"] = ReferenceDecoder(llm.config, llm.model.params)
+            seqs = llm.requests.sequences(prompts, [_greedy(n) for n in lengths])
+            decoders["decoder"].run(seqs)
+            results[key] = [s.output_ids for s in seqs]
+        return results[key]
+
+    return run
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_mixed_batch_matches_hf_reference_and_alone(request, hf, depth):
+def test_mixed_batch_matches_hf_reference_and_alone(request, hf, dense_reference, depth):
     llm = llm_at_depth(request, depth)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
     for out, (_, ref), n in zip(outs, hf, MAX_TOKENS, strict=True):
         assert out.token_ids == ref[:n]
         assert out.finish_reason == "length"
-    # the dense-cache reference decoder, on the same batch
-    seqs = llm.requests.sequences([p for p, _ in hf], [_greedy(n) for n in MAX_TOKENS])
-    ReferenceDecoder(llm.config, llm.model.params).run(seqs)
-    assert [s.output_ids for s in seqs] == [o.token_ids for o in outs]
+    # the dense-cache reference decoder, on the same batch (run once for the three depths)
+    assert dense_reference(llm, [p for p, _ in hf], MAX_TOKENS) == [o.token_ids for o in outs]
     # each prompt alone (two of them, to keep the suite fast)
     for i in (1, 4):
         assert llm.generate({"prompt_token_ids": hf[i][0]}, _greedy(MAX_TOKENS[i]))[0].token_ids == outs[i].token_ids
@@ -46,6 +63,8 @@ def test_mixed_batch_matches_hf_reference_and_alone(request, hf, depth):
 
 def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, embedded_llm, embedded_d3, hf):
     """Arrivals keyed to the step index (deterministic); EOS finishes and one abort; tokens must not depend on depth."""
+    lengths = (16, 10, 16, 5, 16, 12)  # half of MAX_TOKENS: the arrivals (steps 0-11) still overlap every finish
+
     def run(llm):
         rng = np.random.default_rng(7)
         arrivals = sorted(rng.integers(0, 12, size=6).tolist())
@@ -54,7 +73,7 @@ def test_depths_agree_under_random_arrivals_finishes_and_aborts(embedded_d1, emb
         while pending or any(not s.finalized for s in seqs):
             while pending and arrivals[len(seqs)] <= step:
                 i = pending.pop(0)
-                params = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0, ignore_eos=i % 2 == 0)
+                params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=i % 2 == 0)
                 [s] = llm.requests.sequences([hf[i][0]], params)
                 llm._submit(s)
                 seqs.append(s)
@@ -308,15 +327,13 @@ def test_a_researchers_own_model_plugs_in(hf):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_chunked_prefill_of_a_long_prompt_matches_the_reference(request, hf, depth):
+def test_chunked_prefill_of_a_long_prompt_matches_the_reference(request, hf, dense_reference, depth):
     """A 150-token prompt is prefilled in 64-token chunks that attend to the pages of the chunks before them."""
     llm = llm_at_depth(request, depth)
     long_prompt = (hf[0][0] + hf[1][0] + hf[2][0] + hf[0][0] + hf[4][0])[:150]
     prompts = [long_prompt, hf[3][0]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
-    seqs = llm.requests.sequences(prompts, _greedy(12))
-    ReferenceDecoder(llm.config, llm.model.params).run(seqs)
-    assert [o.token_ids for o in outs] == [s.output_ids for s in seqs]
+    assert [o.token_ids for o in outs] == dense_reference(llm, prompts, (12, 12))
     assert len(long_prompt) > 2 * max(t for _, t in llm.engine.scheduler.config.prefill_buckets)
 
 
