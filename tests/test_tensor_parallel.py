@@ -15,7 +15,8 @@ from jphoton.models import tensor_parallel as tp
 from jphoton.models.llama import fuse_params, unstack_layers
 from jphoton.weights.load import load_model
 from jphoton.weights.random_init import parse_random_spec, random_params
-from tests.conftest import FIXTURES, make_llm, tiny_reference
+
+from conftest import FIXTURES, make_llm, shared_llm, tiny_reference
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest.py sets XLA_FLAGS)")
 
@@ -38,30 +39,48 @@ def _greedy_equals_hf(llm, family):
     assert [o.token_ids for o in out] == [t.tolist() for _, t, _ in ref]
 
 
-@pytest.mark.parametrize("family,size", [("qwen2", 2), ("llama3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)])
-def test_greedy_tokens_equal_hf(family, size):
-    """Dense (qwen2: tied embeddings and q/k/v biases) and MoE, float32, against HF's greedy tokens (what TP=1 produces:
-    tests/test_families.py); TP=4 with 2 KV heads replicates each KV head on two shards."""
-    llm = make_llm(FIXTURES / "tiny" / family, tensor_parallel_size=size, warmup="off", **SMALL,
-                   **(MOE if family == "qwen3_moe" else {}))
+@pytest.fixture(scope="module")
+def llama3_tp4():
+    """llama3 at TP=4 (2 KV heads: each replicated on two shards), every step shape compiled up front: one engine for
+    the HF match, the TP=1 comparison and the no-compile check."""
+    with shared_llm(FIXTURES / "tiny" / "llama3", tensor_parallel_size=4, **SMALL) as llm:
+        yield llm
+
+
+def _check_kv_sharding(llm, size):
     runner = llm.engine.runner
     assert runner.kv[0].sharding.spec == P(None, None, "tp", None)
     assert runner.kv[0].shape[2] == max(llm.config.num_kv_heads, size)
+
+
+@pytest.mark.parametrize("family,size", [("qwen2", 2), ("qwen3_moe", 4)])
+def test_greedy_tokens_equal_hf(family, size):
+    """Dense (qwen2: tied embeddings and q/k/v biases) and MoE (its expert stacks split 4 ways, KV heads replicated),
+    float32, against HF's greedy tokens (what TP=1 produces: tests/test_families.py)."""
+    llm = make_llm(FIXTURES / "tiny" / family, tensor_parallel_size=size, warmup="off", **SMALL,
+                   **(MOE if family == "qwen3_moe" else {}))
+    _check_kv_sharding(llm, size)
     _greedy_equals_hf(llm, family)
 
 
-def test_sampled_rows_and_logprobs_equal_tp1():
+def test_greedy_tokens_equal_hf_at_tp4(llama3_tp4):
+    """TP=4 with 2 KV heads replicates each KV head on two shards."""
+    _check_kv_sharding(llama3_tp4, 4)
+    _greedy_equals_hf(llama3_tp4, "llama3")
+
+
+def test_sampled_rows_and_logprobs_equal_tp1(llama3_tp4):
     """Plain sampled rows (the sharded sampler), top-k rows (logits gathered for the filtered sampler) and logprobs (the
     second sampler) draw what one device draws."""
     one = make_llm(FIXTURES / "tiny" / "llama3", warmup="off", **SMALL).generate(PROMPTS, PARAMS)
-    four = make_llm(FIXTURES / "tiny" / "llama3", tensor_parallel_size=4, warmup="off", **SMALL).generate(PROMPTS, PARAMS)
+    four = llama3_tp4.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in four] == [o.token_ids for o in one]
     for got, want in zip(four[2].logprobs, one[2].logprobs, strict=True):
         assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
 
 
-def test_no_compile_after_warmup():
-    llm = make_llm(FIXTURES / "tiny" / "llama3", tensor_parallel_size=2, **SMALL)
+def test_no_compile_after_warmup(llama3_tp4):
+    llm = llama3_tp4
     before = llm.stats()["num_compiles"]
     llm.generate(PROMPTS, PARAMS)
     _greedy_equals_hf(llm, "llama3")
