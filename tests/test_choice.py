@@ -43,7 +43,7 @@ def test_the_embedded_model_answers_paris_with_hf_scores(embedded_llm):
 
 def test_choice_is_identical_at_both_depths_and_beside_free_rows(embedded_llm, embedded_d1):
     free = {"prompt_token_ids": embedded_llm.encode_chat([{"role": "user", "content": "Name a colour."}])}
-    params = [SamplingParams(temperature=0, choice=OPTIONS), SamplingParams(max_tokens=12, temperature=0),
+    params = [SamplingParams(temperature=0, choice=OPTIONS), SamplingParams(max_tokens=8, temperature=0),
               SamplingParams(temperature=1.5, seed=11, choice=OPTIONS)]
     [alone] = embedded_llm.generate(free, params[1])
     runs = [llm.generate([fixture_prompt(llm), free, fixture_prompt(llm)], params)
@@ -128,7 +128,9 @@ def test_choice_under_preemption_matches_a_roomy_pool():
     params = [SamplingParams(temperature=0, choice=options), SamplingParams(max_tokens=40, temperature=0),
               SamplingParams(temperature=0, choice=options[::-1]), SamplingParams(max_tokens=40, temperature=0)]
     results = []
-    for pages in (64, 10):
+    # the roomy pool: the default one (a full context per row), whose step programs the other tiny engines of this
+    # configuration (the max_choice_rows test below, test_prefix_cache's) share through the compilation cache
+    for pages in (None, 10):
         llm = make_llm(path, warmup=False, num_kv_pages=pages, page_size=8, max_model_len=128)
         results.append((llm.generate(prompts, params), llm.stats()["preemptions"]))
     (roomy, _), (tight, preemptions) = results
