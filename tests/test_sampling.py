@@ -59,7 +59,8 @@ def test_zero_temperature_is_argmax_whatever_the_filters():
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    with shared_llm(str(FIXTURES / "tiny" / "qwen2")) as llm:
+    # warm-up off: only the shapes these tests take compile (those of test_families' engine of the same model)
+    with shared_llm(str(FIXTURES / "tiny" / "qwen2"), warmup=False) as llm:
         yield llm
 
 
