@@ -176,7 +176,12 @@ def test_streamed_tokens_equal_llm_generate(srv):
     assert len(ids) == len(results) and all(len(i) == len("jphoton-") + 24 for i in ids)
 
 
-def test_64_concurrent_streams_complete_without_compiling(srv):
+def test_24_concurrent_streams_complete_without_compiling(srv):
+    """3x the engine's batch (conftest.ENGINE_ARGS' max_num_seqs 8): streams wait behind running ones, every bucket
+    serves (64 streams tested the same on 2 cores at 2.7x the time)."""
+    from conftest import ENGINE_ARGS
+
+    streams = 3 * ENGINE_ARGS["max_num_seqs"]
     compiles_before = srv.stats().num_compiles
 
     async def run():
@@ -190,10 +195,10 @@ def test_64_concurrent_streams_complete_without_compiling(srv):
                     timeout=300)]
                 return msgs
 
-            return await asyncio.gather(*(one(i) for i in range(64)))
+            return await asyncio.gather(*(one(i) for i in range(streams)))
 
     results = asyncio.run(run())
-    assert len(results) == 64
+    assert len(results) == streams == 24
     for i, msgs in enumerate(results):
         assert msgs[0].request_id == f"c{i}"
         assert sum(len(m.token_ids) for m in msgs) == 4
