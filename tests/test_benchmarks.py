@@ -114,7 +114,7 @@ def test_constrained(tmp_path):
 
     tok = tmp_path / "tok"  # exported from the embedded model on first use
     rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
-                 "--requests-per-stream", "1", "--max-tokens", "24", "--max-num-seqs", "2", "--out", str(tmp_path),
+                 "--requests-per-stream", "1", "--max-tokens", "12", "--max-num-seqs", "2", "--out", str(tmp_path),
                  "--llm-args", "max_model_len=128,decode_buckets=(2,),prefill_buckets=((1,64),)"])
     assert (tok / "tokenizer.json").exists()
     assert [r["constraint"] for r in rows] == ["schema", "coords"]
