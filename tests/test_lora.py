@@ -34,7 +34,9 @@ def _greedy(lora=None, n=NEW):
 
 @pytest.fixture(scope="module")
 def lora_llm():
-    with shared_llm(str(BASE), max_loras=3, max_lora_rank=16) as llm:
+    # one decode bucket (8 rows; a request alone runs in it padded): 3 step shapes to warm with their LoRA variants,
+    # not 4
+    with shared_llm(str(BASE), max_loras=3, max_lora_rank=16, decode_buckets=(8,)) as llm:
         for name in NAMES:
             llm.load_lora(name, ADAPTERS / name)
         yield llm
