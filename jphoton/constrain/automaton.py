@@ -92,6 +92,7 @@ INDEX_MEMORY_BYTES = 4 * 2**30
 # (a|b)*a(a|b){20}, take a core for 60 s; (abc|def){1,3000} takes 7.5 s). Builds that serve (<= automaton_states
 # states) take 0.05-1.5 s there.
 INDEX_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 60.0  # the child's start-up (imports), not counted in INDEX_TIMEOUT_S
 # A regex longer than this many bytes per table state is not built at all (logged): its automaton would not fit the
 # tables anyway (a JSON schema's regex has about one state a byte: 378 bytes, 362 states), and outlines-core takes
 # ~0.35 ms a byte over it (a 20,000-value enum: 269 KB of regex, 9 s of a core).
@@ -128,19 +129,33 @@ def regex_index(regex: str, vocab: AutomatonVocab, memory_bytes: int = INDEX_MEM
                 timeout_s: float = INDEX_TIMEOUT_S) -> RegexIndex | str:
     """outlines-core's index of the regex, built in a child process (limited to `memory_bytes` and `timeout_s`: some
     regexes explode), or why not (a string)."""
+    import os
     import pickle
+    import selectors
     import subprocess
     import sys
 
     payload = pickle.dumps((regex, vocab.eos, vocab.by_bytes, memory_bytes))
+    child = subprocess.Popen([sys.executable, "-m", "jphoton.constrain.automaton"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        done = subprocess.run([sys.executable, "-m", "jphoton.constrain.automaton"], input=payload, capture_output=True,
-                              timeout=timeout_s, check=False)
+        # The limit is the build's: the child's start-up (Python, numpy, outlines-core: 0.3 s idle, seconds on a busy
+        # box) ends with one byte on stdout, and only then does the clock start.
+        with selectors.DefaultSelector() as sel:
+            sel.register(child.stdout, selectors.EVENT_READ)
+            started = sel.select(STARTUP_TIMEOUT_S) and os.read(child.stdout.fileno(), 1) == b"R"
+        if not started:
+            child.kill()
+            _, err = child.communicate()
+            return f"index build failed (the child did not start: {err.decode(errors='replace').strip()[-200:]})"
+        out, err = child.communicate(payload, timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
         return f"index build over {timeout_s:.0f} s"
-    if done.returncode != 0 or not done.stdout:
-        return f"index build failed ({done.stderr.decode(errors='replace').strip()[-200:] or done.returncode})"
-    return RegexIndex(*pickle.loads(done.stdout))
+    if child.returncode != 0 or not out:
+        return f"index build failed ({err.decode(errors='replace').strip()[-200:] or child.returncode})"
+    return RegexIndex(*pickle.loads(out))
 
 
 def _index_child() -> None:
@@ -151,9 +166,12 @@ def _index_child() -> None:
     import resource
     import sys
 
+    from outlines_core import Index, Vocabulary
+
+    sys.stdout.buffer.write(b"R")  # started: the parent's time limit runs from here
+    sys.stdout.buffer.flush()
     regex, eos, by_bytes, memory_bytes = pickle.load(sys.stdin.buffer)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    from outlines_core import Index, Vocabulary
 
     try:
         index = Index(regex, Vocabulary(eos, by_bytes))
