@@ -14,11 +14,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TINY_FAMILIES = ("llama2", "llama3", "smollm2", "mistral", "qwen2", "qwen3")
 
 # Before jphoton is imported anywhere: keep the test session's conversion cache out of the user's home.
-# The xdist workers inherit this process's environment: one cache for the run, its XLA programs shared by the workers
-# and their child processes; with a size bound JAX reads and writes those under a file lock (jax._src.lru_cache), so
-# that no process loads another's half-written program.
 os.environ.setdefault("JPHOTON_CACHE_DIR", tempfile.mkdtemp(prefix="jphoton-test-cache-"))
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**36))
 # Before jax is imported: the host platform shows 4 devices, for the tensor-parallel tests (one-device programs still
 # run on device 0 alone).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
