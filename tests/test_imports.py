@@ -18,7 +18,7 @@ PACKAGES = ("jphoton", "pallas_kernels")
 JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
             "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
             "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config", "jphoton.engine.driver",
-            "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire")
+            "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire", "jphoton.image.decode", "jphoton.image")
 
 
 @pytest.mark.parametrize("module", JAX_FREE)
