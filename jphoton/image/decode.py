@@ -126,15 +126,7 @@ def _from_bytes(data: bytes, max_image_pixels: int) -> np.ndarray:
             # Pillow accepts a JPEG cut just before its EOI marker when the last scan happens to be complete: refuse
             # it like any other truncated file (the last SOS is the main image's; an EXIF thumbnail's EOI precedes it)
             raise ValueError(f"image: cannot decode {img.format}: image file is truncated (no end-of-image marker)")
-        try:
-            img.load()  # full decode now, so that a truncated/corrupt file raises here
-            return _to_rgb(ImageOps.exif_transpose(img))
-        except ValueError as e:
-            if str(e).startswith("image: "):
-                raise
-            raise ValueError(f"image: cannot decode {img.format}: {_one_line(e)}") from e
-        except Exception as e:
-            raise ValueError(f"image: cannot decode {img.format}: {_one_line(e)}") from e
+        return _load_rgb(img, f"cannot decode {img.format}")  # full decode now: a truncated/corrupt file raises here
 
 
 def _bomb_message(e: Exception, max_image_pixels: int) -> str:
@@ -164,15 +156,20 @@ def _from_pil(img: Image.Image, max_image_pixels: int) -> np.ndarray:
     _check_pixels(*img.size, max_image_pixels)  # before load(): a lazily opened file is not decoded yet
     if isinstance(img, ImageFile.ImageFile) and ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("image: PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set (Pillow would pad truncated files)")
+    return _load_rgb(img, "cannot read the PIL image")
+
+
+def _load_rgb(img: Image.Image, what: str) -> np.ndarray:
+    """Decode the pixel data (load()), apply EXIF orientation, convert to RGB; any failure -> "image: {what}: ..."."""
     try:
         img.load()
         return _to_rgb(ImageOps.exif_transpose(img))
     except ValueError as e:
         if str(e).startswith("image: "):
             raise
-        raise ValueError(f"image: cannot read the PIL image: {_one_line(e)}") from e
+        raise ValueError(f"image: {what}: {_one_line(e)}") from e
     except Exception as e:
-        raise ValueError(f"image: cannot read the PIL image: {_one_line(e)}") from e
+        raise ValueError(f"image: {what}: {_one_line(e)}") from e
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
