@@ -21,15 +21,16 @@ import jax
 from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compile_worker, compiles
 from jphoton.engine import warmup as warmup_lib
-from jphoton.engine.config import EngineConfig
+from jphoton.engine.config import EngineConfig, default_prefill
 from jphoton.engine.driver import Driver
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.engine.pipeline import Engine
 from jphoton.engine.runner import default_num_pages
 from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
+from jphoton.image import skills as skill_prep
 from jphoton.models.moe import check_backend as check_moe_backend
-from jphoton.models.protocol import JaxModel, llama_family
+from jphoton.models.protocol import JaxModel, llama_family, moondream_family
 from jphoton.models.tensor_parallel import make_mesh
 from jphoton.params import (
     Completion,
@@ -41,12 +42,14 @@ from jphoton.params import (
 from jphoton.requests import RequestBuilder, eos_token_ids
 from jphoton.sequence import Delta, RequestOutput, Sequence
 from jphoton.weights import load_model
+from jphoton.weights import moondream as moondream_weights
 from jphoton.weights.peft import load_peft_adapter
 from jphoton.weights.store import cache_dir
 
 log = logging.getLogger("jphoton")
 
 Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
+SKILL_DEFAULTS = SamplingParams(max_tokens=768, temperature=0.5, top_p=0.3)  # Moondream's reference settings
 Message = dict  # {"role": ..., "content": ...}
 
 
@@ -99,6 +102,9 @@ class LLM:
                 raise ValueError(f"tensor_parallel_size={tp}: build the JaxModel with llama_family(..., "
                                  f"tensor_parallel_size={tp}) (a model's forward must be written per shard)")
             self.model = model
+        elif moondream_weights.is_source(model):  # an image model (models/moondream.py)
+            mcfg, params, tok, name = moondream_weights.load(model, cfg.dtype)
+            self.model = moondream_family(mcfg, params, tok, name)
         else:
             k = cfg.kernels
             # random weights are made in the serving layout, on their shards (a model larger than one device)
@@ -108,6 +114,8 @@ class LLM:
             self.model = llama_family(loaded.config, loaded.params, loaded.tokenizer, loaded.source,
                                       unroll_layers=k.unroll_layers, moe_backend=k.moe_backend, matmul=k.matmul,
                                       fuse=True, tensor_parallel_size=tp)
+        if self.model.vision is not None:
+            cfg = _room_for_images(cfg, self.model.vision.prefix_len, options)
         use_worker = compile_worker.wanted(cfg, self.model)
         self.config = self.model.config  # the model's config (ModelConfig); the engine's is `engine_config`
         self.tokenizer = self.model.tokenizer
@@ -152,15 +160,7 @@ class LLM:
         """Generate for one prompt or a list; returns one Completion per prompt, in order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        seqs = self.requests.sequences([self.requests.prompt_ids(p) for p in prompts], params)
-        for s in seqs:
-            self._submit(s)
-        try:
-            self._run_until(lambda: all(s.finalized for s in seqs))
-        finally:
-            for s in seqs:
-                self._close(s)
-        return [s.completion() for s in seqs]
+        return self._run_all(self.requests.sequences([self.requests.prompt_ids(p) for p in prompts], params))
 
     def chat(self, conversations: Seq[Message] | Seq[Seq[Message]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
@@ -202,6 +202,69 @@ class LLM:
         text = tok.apply_chat_template(messages)
         self.requests.check_prompt_size(utf8_len(text), rendered=True)
         return self.requests.encode_within(text, add_special_tokens=False)  # (the template writes BOS where the model wants)
+
+    # ---- image skills (a model with an image encoder: Moondream) --------------------------------------------------
+    def query(self, image, question: str | Seq[str], params: SamplingParams | Seq[SamplingParams] | None = None, *,
+              stream: bool = False):
+        """Answer a question about an image (encoded bytes, a PIL image, an HxWx3 uint8 array; None: a text-only
+        query). Lists (of images, of questions, or both of one length) ask several at once and return a list of
+        Completions; stream=True (one request) returns a `Stream`. params default to the reference's (temperature
+        0.5, top_p 0.3, max_tokens 768)."""
+        return self._skill("query", image, question, params, stream)
+
+    def caption(self, image, length: str = "normal", params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                stream: bool = False):
+        """Describe an image: length "short", "normal" or "long". A list of images returns a list (as `query`)."""
+        return self._skill("caption", image, length, params, stream)
+
+    def prepare_skill(self, skill: str, image, text: str, params: SamplingParams | None = None, *,
+                      request_id: int | None = None) -> Sequence:
+        """A query (text = the question) or caption (text = the length) request, validated, its image decoded and
+        cropped (this thread does the work: call it off the engine's), not queued (`add_request` queues it)."""
+        vision = self.model.vision
+        if vision is None:
+            raise ValueError(f"{skill}: model {self.model.name!r} takes no images (a Moondream checkpoint does)")
+        prepared = None if image is None else skill_prep.prepare(
+            image, vision, self.engine_config.limits.max_image_pixels)
+        if skill == "query":
+            if not isinstance(text, str):
+                raise ValueError(f"query: the question must be a string, got {type(text).__name__}")
+            self.requests.check_prompt_size(text_bytes(text))
+        ids, run = skill_prep.skill_prompt(skill, self.requests.encode_within, vision.embed_rows,
+                                           with_image=prepared is not None, question=text, length=text)
+        [seq] = self.requests.sequences([ids], params if params is not None else SKILL_DEFAULTS,
+                                        None if request_id is None else [request_id])
+        seq.image, seq.image_run = prepared, run
+        return seq
+
+    def _skill(self, skill: str, image, text, params, stream: bool):
+        many = isinstance(image, list) or isinstance(text, list)
+        if not many:
+            seq = self.prepare_skill(skill, image, text, params)
+            if stream:
+                return Stream(self._stream(seq), seq.request_id)
+            return self._run_all([seq])[0]
+        if stream:
+            raise ValueError(f"{skill}: stream=True takes one request (got lists)")
+        n = len(image) if isinstance(image, list) else len(text)
+        images = image if isinstance(image, list) else [image] * n
+        texts = text if isinstance(text, list) else [text] * n
+        if len(images) != len(texts):
+            raise ValueError(f"{skill}: {len(images)} images for {len(texts)} texts")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+        if len(plist) != n:
+            raise ValueError(f"{len(plist)} SamplingParams for {n} requests")
+        return self._run_all([self.prepare_skill(skill, i, t, p) for i, t, p in zip(images, texts, plist, strict=True)])
+
+    def _run_all(self, seqs: list[Sequence]) -> list[Completion]:
+        for s in seqs:
+            self._submit(s)
+        try:
+            self._run_until(lambda: all(s.finalized for s in seqs))
+        finally:
+            for s in seqs:
+                self._close(s)
+        return [s.completion() for s in seqs]
 
     # ---- step by step (what AsyncLLM, the server and the benchmarks drive) ----------------------------------------
     def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -464,6 +527,27 @@ class LLM:
         self._run_until(lambda: seq.status == "released" or not self.engine.has_work())
         with self._engine_lock:
             self._outputs.pop(seq.request_id, None)
+
+def _room_for_images(cfg: EngineConfig, prefix_len: int, options: dict) -> EngineConfig:
+    """An image prefix (BOS + the image's embeddings) is prefilled in one chunk: a step must hold it. For an image
+    model the default token budget grows to 1024 and the default prefill buckets gain (1, 768) and (1, 1024) rows;
+    a budget or bucket set given too small is refused."""
+    if cfg.max_num_batched_tokens <= prefix_len:
+        if "max_num_batched_tokens" in options:
+            raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens}: an image prefix of this model is "
+                             f"{prefix_len} positions, prefilled in one step (use at least {prefix_len + 1})")
+        cfg = dataclasses.replace(cfg, max_num_batched_tokens=1024)
+    b = cfg.buckets
+    if b.prefill is None:
+        big = tuple((1, t) for t in (768, 1024) if prefix_len < t <= cfg.max_num_batched_tokens)
+        prefill = tuple(sorted(set(default_prefill(cfg.max_num_batched_tokens) + big), key=lambda rt: rt[0] * rt[1]))
+        cfg = dataclasses.replace(cfg, buckets=dataclasses.replace(b, prefill=prefill))
+    elif max(t for _, t in b.prefill) <= prefix_len:
+        raise ValueError(f"prefill_buckets={b.prefill}: an image prefix of this model is {prefix_len} positions, "
+                         f"prefilled in one chunk (a bucket needs at least {prefix_len + 1} tokens a row)")
+    log.info("image model: token budget %d, prefill buckets %s", cfg.max_num_batched_tokens, cfg.buckets.prefill)
+    return cfg
+
 
 def _load_tokenizer(path, vocab_size: int):
     from jphoton.text.tokenizer import Tokenizer

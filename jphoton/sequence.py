@@ -47,7 +47,7 @@ class Sequence:
                  "block_table", "page_keys", "pages_cached", "num_computed", "prefill_target", "inflight_refs",
                  "pending_samples", "sample_flags", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
                  "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores",
-                 "poisoned")
+                 "poisoned", "image", "image_run")
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
                  eos_token_ids: tuple[int, ...], max_model_len: int, seed: int):
@@ -91,6 +91,10 @@ class Sequence:
         self.choice_index: int | None = None
         self.choice_scores: list[float] | None = None
         self.poisoned = False  # its logits were not finite: its KV pages are never offered to the prefix cache
+        # An image input (engine/images.py ImageInput) and its run of placeholder positions (start, length) in the
+        # prompt: prefilled in one chunk with every position before it (a bidirectional prefix)
+        self.image = None
+        self.image_run: tuple[int, int] = (0, 0)
 
     @property
     def finished(self) -> bool:

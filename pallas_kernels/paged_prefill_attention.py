@@ -62,11 +62,11 @@ def path_name(interpret: bool | None = None) -> str:
 # the kernel
 
 
-def _kernel(layer_ref, bt_ref, start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, G, BQ, BM, T, hd, HD, P, ps, BC,
-            window, scale, pv_dtype, precision):
+def _kernel(layer_ref, bt_ref, start_ref, len_ref, prefix_ref, q_ref, k_ref, v_ref, o_ref, *, G, BQ, BM, T, hd, HD,
+            P, ps, BC, window, scale, pv_dtype, precision):
     r, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    q_start, q_len = start_ref[r], len_ref[r]
+    q_start, q_len, prefix = start_ref[r], len_ref[r], prefix_ref[r]
     mm = jnp.arange(BM, dtype=jnp.int32)
     qi = jax.lax.div(mm, G)  # tile row -> (query position in the block, head of the group)
     gi = jax.lax.rem(mm, G)
@@ -74,6 +74,7 @@ def _kernel(layer_ref, bt_ref, start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *
     in_tile = (qi < BQ) & (t < T)
     live = in_tile & (t < q_len)
     pos = q_start + t  # its position in the sequence
+    see_until = jnp.maximum(pos, prefix - 1)  # the last key it sees (a bidirectional prefix: every key < prefix)
     head = h * G + gi
     tc = jnp.where(in_tile, t, 0)
     dd = jnp.arange(HD, dtype=jnp.int32)
@@ -83,7 +84,7 @@ def _kernel(layer_ref, bt_ref, start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *
 
     # keys this block of queries can see: [lo, hi), hi = the last live query's position + 1
     n_live = jnp.clip(q_len - b * BQ, 0, BQ)
-    hi = q_start + b * BQ + n_live
+    hi = jnp.maximum(q_start + b * BQ + n_live, jnp.where(n_live > 0, prefix, 0))
     lo = jnp.maximum(q_start + b * BQ - window + 1, 0) if window is not None else jnp.int32(0)
     j_lo = jax.lax.div(lo, BC)
     j_hi = jnp.where(n_live > 0, jax.lax.div(hi + (BC - 1), BC), j_lo)
@@ -93,7 +94,7 @@ def _kernel(layer_ref, bt_ref, start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *
         kp = j * BC + tt
         valid = (kp >= lo) & (kp < hi)
         k, v = load_kv_block(k_ref, v_ref, bt_ref, r, layer, h, kp, valid, dd, dmask, page_size=ps, pages=P)
-        see = valid[None, :] & (kp[None, :] <= pos[:, None])  # [BM, BC]
+        see = valid[None, :] & (kp[None, :] <= see_until[:, None])  # [BM, BC]
         if window is not None:
             see &= pos[:, None] - kp[None, :] < window
         return softmax_block(q, k, v, see, carry, scale=scale, precision=precision, pv_dtype=pv_dtype)
@@ -118,12 +119,12 @@ def _untile(tiles: jax.Array, G: int, T: int, hd: int) -> jax.Array:
 # the public functions
 
 
-def check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window) -> None:
+def check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window, prefix=None) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [R, T, Hq, hd] (a chunk of query tokens per row), got shape {q.shape}")
     R, _, Hq, hd = q.shape
     check_paged_pool(k_pool, v_pool, block_table, page_size, sliding_window, q.dtype, R, Hq, hd)
-    for name, a in (("q_start", q_start), ("q_len", q_len)):
+    for name, a in (("q_start", q_start), ("q_len", q_len)) + ((("prefix", prefix),) if prefix is not None else ()):
         if a.shape != (R,):
             raise ValueError(f"{name} must be [R={R}], got {a.shape}")
         if not jnp.issubdtype(a.dtype, jnp.integer):
@@ -136,8 +137,11 @@ def _layer_array(layer) -> jax.Array:
 
 def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer, block_table: jax.Array,
                             q_start: jax.Array, q_len: jax.Array, *, page_size: int, sliding_window: int | None = None,
-                            config: PagedPrefillConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                            prefix: jax.Array | None = None, config: PagedPrefillConfig | None = None,
+                            interpret: bool | None = None) -> jax.Array:
     """Causal attention of a chunk of query tokens per row over the paged KV cache.
+    prefix [R] (default none): row r's first prefix[r] positions attend to each other bidirectionally (an image
+    prefix): a query at a position < prefix[r] sees every key < prefix[r], all in the pool already.
 
     q [R, T, Hq, hd]: row r's query i (i < q_len[r]) sits at position q_start[r] + i and sees the keys at positions
     <= its own (and > its own - sliding_window); those keys, the chunk's own included, are in the pool already.
@@ -145,13 +149,15 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, 
     block_table [R, P] page ids (covering positions < q_start + q_len). Returns [R, T, Hq, hd] in q.dtype, zeros at
     i >= q_len[r]. interpret: None = interpret mode unless the default backend is a GPU."""
     return _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, page_size=page_size,
-                                    sliding_window=sliding_window, config=config, interpret=interpret)
+                                    sliding_window=sliding_window, prefix=prefix, config=config, interpret=interpret)
 
 
 @traced_once
 def _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, *, page_size, sliding_window,
-                             config, interpret):
-    check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window)
+                             prefix, config, interpret):
+    check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window, prefix)
+    if prefix is None:
+        prefix = jnp.zeros_like(q_len)
     R, T, Hq, hd = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
@@ -170,7 +176,7 @@ def _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_l
         window=sliding_window, scale=float(hd) ** -0.5, pv_dtype=k_pool.dtype,
         precision=jax.lax.Precision.HIGHEST if f32 else None)
     args = (_layer_array(layer), block_table.astype(jnp.int32), q_start.astype(jnp.int32), q_len.astype(jnp.int32),
-            q, k_pool, v_pool)
+            prefix.astype(jnp.int32), q, k_pool, v_pool)
     nb = -(-T // BQ)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
@@ -187,11 +193,12 @@ def _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_l
 
 def paged_prefill_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                                       block_table: jax.Array, q_start: jax.Array, q_len: jax.Array, *, page_size: int,
-                                      sliding_window: int | None = None, config=None, interpret=None) -> jax.Array:
+                                      sliding_window: int | None = None, prefix=None, config=None,
+                                      interpret=None) -> jax.Array:
     """The same attention in plain jnp, float32 throughout: gather every page of the table, mask, softmax. Returns
     float32 [R, T, Hq, hd], zeros at i >= q_len[r] (the oracle). config and interpret are accepted and ignored."""
     del config, interpret
-    check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window)
+    check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window, prefix)
     R, T, Hq, hd = q.shape
     Hkv = k_pool.shape[2]
     P = block_table.shape[1]
@@ -203,7 +210,8 @@ def paged_prefill_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: j
     i = jnp.arange(T)[None, :]
     pos = (q_start.astype(jnp.int32)[:, None] + i)[:, :, None]  # [R, T, 1]
     live = i < q_len.astype(jnp.int32)[:, None]  # [R, T]
-    visible = (kp <= pos) & live[:, :, None]
+    until = pos if prefix is None else jnp.maximum(pos, prefix.astype(jnp.int32)[:, None, None] - 1)
+    visible = (kp <= until) & live[:, :, None]
     if sliding_window is not None:
         visible &= pos - kp < sliding_window
     qg = q.astype(jnp.float32).reshape(R, T, Hkv, Hq // Hkv, hd)

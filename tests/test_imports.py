@@ -18,7 +18,8 @@ PACKAGES = ("jphoton", "pallas_kernels")
 JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
             "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
             "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config", "jphoton.engine.driver",
-            "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire", "jphoton.image.decode", "jphoton.image")
+            "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire", "jphoton.image.decode", "jphoton.image",
+            "jphoton.image.crops", "jphoton.image.skills", "jphoton.engine.images")
 
 
 @pytest.mark.parametrize("module", JAX_FREE)

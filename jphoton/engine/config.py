@@ -52,6 +52,8 @@ class Limits:
     # are tokenized (constrain/choice.py; what the defaults cost: docs/decisions.md)
     max_choice_tokens: int = CHOICE_DEFAULTS[1]
     max_stop_token_ids: int = 1024  # stop_token_ids per request (a set the commit checks every token against)
+    # an image's pixels, checked from its header before it is decoded (jphoton/image/decode.py; a decompression bomb)
+    max_image_pixels: int = 50_000_000
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -198,7 +200,7 @@ class EngineConfig:
         b = self.buckets
         decode = tuple(b.decode or _geometric(1, 2, self.max_num_seqs))
         decode = tuple(sorted({max(d, min_decode_rows) for d in decode}))  # one-row steps would pad every matmul
-        prefill = tuple(b.prefill or _default_prefill(self.max_num_batched_tokens))
+        prefill = tuple(b.prefill or default_prefill(self.max_num_batched_tokens))
         pages_per_seq = -(-max_len // self.page_size)
         if self.kernels.attention == "static":  # every row attends over its step's context bucket
             # From 128 tokens up, at most 4x waste: a newcomer's first chunk (a 128-token prompt) attends over 8 pages,
@@ -231,6 +233,6 @@ def _geometric(start: int, factor: int, last: int) -> tuple[int, ...]:
     return (*out, last)
 
 
-def _default_prefill(budget: int) -> tuple[tuple[int, int], ...]:
+def default_prefill(budget: int) -> tuple[tuple[int, int], ...]:
     shapes = [(1, 32), (1, 128), (4, 128), (1, 512)]
     return tuple((r, t) for r, t in shapes if r * t <= budget) or ((1, budget),)

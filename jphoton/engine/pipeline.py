@@ -40,6 +40,7 @@ from jphoton.constrain.automaton import AutomatonPool
 from jphoton.constrain.compiler import GrammarCompiler
 from jphoton.engine import compiles
 from jphoton.engine.config import EngineConfig
+from jphoton.engine.images import ImageSlots, placeholder_tokens
 from jphoton.engine.lifecycle import Lifecycle
 from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
@@ -74,6 +75,8 @@ class Engine(Lifecycle):
         self.scheduler = Scheduler(config.scheduler_config(), self.pages)
         self.runner = Runner(model, config, num_pages)
         self.loras = LoraSlots(config.max_loras)
+        # the device's image cache (models with an image encoder): which image each slot holds (engine/images.py)
+        self.images = ImageSlots(self.runner.vision.slots) if self.runner.vision is not None else None
         self.grammar = grammar
         # Device automata (jphoton/constrain/automaton.py): rows of the runner's tables, handed to regular constraints at add
         self.automata = AutomatonPool(self.runner.automaton_states) if self.runner.automaton_states else None
@@ -138,6 +141,7 @@ class Engine(Lifecycle):
         plan = self.scheduler.plan()
         if plan is None:
             return None
+        pinned = self._prepare_images(plan) if self.images is not None else ()
         kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
         rec = StepRecord(plan.step_id, kind, plan.num_rows, plan.num_tokens, t_plan=t_plan)
         grammar_rows = automaton_rows = 0
@@ -160,14 +164,35 @@ class Engine(Lifecycle):
             log.info("device automata: grammar rows sample inside the step (no host masks)")
         self.num_constrained_steps += rec.constrained_rows > 0
         self.num_automaton_steps += on_device
-        step = PlannedStep(plan, rec, self.runner.pack(plan, on_device), automata=on_device)
+        step = PlannedStep(plan, rec, self.runner.pack(plan, on_device), automata=on_device, image_slots=pinned)
         rec.t_planned = rec.t_packed = now()
         return step
+
+    def _prepare_images(self, plan: StepPlan) -> list[int]:
+        """For each prefill chunk that covers an image run: take a slot of the image cache (pinned until the step's
+        launch), dispatch the vision step into it unless it holds the image already (a repeated image), and point the
+        chunk's placeholder tokens at the slot's rows. The vision step is dispatched now, so it runs on the device
+        before this step and after the one in flight."""
+        pinned = []
+        rows = self.runner.vision.embed_rows
+        for r in plan.prefill:
+            s = r.seq
+            start, length = s.image_run
+            if s.image is None or r.start >= start + length or r.start + r.num_tokens <= start:
+                continue
+            slot, resident = self.images.acquire(s.image.digest)
+            if not resident:
+                self.runner.encode_image(slot, s.image.crops, s.image.pool_rows, s.image.pool_cols)
+            pinned.append(slot)
+            r.tokens = placeholder_tokens(r.start, r.tokens, start, length, slot, rows)
+        return pinned
 
     def _launch(self, step: PlannedStep) -> None:
         rec = step.record
         rec.t_launch = self.telemetry.now()
         self.inflight.append(self.runner.launch(step, defer_sampling=rec.constrained_rows > 0))
+        for slot in step.image_slots:  # (launched: a later vision step into the slot runs after this step's read)
+            self.images.unpin(slot)
         if rec.automaton_rows:  # where the next step finds these rows' automaton state (packing.py)
             for r in step.plan.rows:
                 if r.samples:
@@ -312,4 +337,5 @@ class Engine(Lifecycle):
             "input_transfers": self.runner.input_transfers,
             "inflight_steps": len(self.inflight),
             **self.loras.stats(),
+            **(self.images.stats() if self.images is not None else {}),
         }

@@ -71,7 +71,10 @@ class Runner:
         self.static = StepStatic(pages_per_seq=pages_per_seq, page_size=page_size, pages_per_block=ppb,
                                  trash_page=num_pages, max_rows=max_rows, sliding_window=cfg.sliding_window,
                                  pallas_attention=config.kernels.attention == "pallas", lora_slots=config.max_loras,
-                                 lora_rank=config.max_lora_rank if self.lora_enabled else 0)
+                                 lora_rank=config.max_lora_rank if self.lora_enabled else 0,
+                                 image_prefix=getattr(model, "vision", None) is not None,
+                                 decode_banned=tuple(getattr(model, "decode_banned_tokens", ())))
+        self.vision = getattr(model, "vision", None)  # the image encoder (models/protocol.py Vision), or None
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
         self.packed_size = max(StepLayout(s, self.static).size for s in self.sched.all_shapes())
@@ -82,6 +85,8 @@ class Runner:
         # Tensor parallelism (models/tensor_parallel.py): params arrive placed on the mesh, the KV pool is sharded by
         # KV head and the logits buffers by vocabulary, every other buffer is replicated; the step runs under shard_map.
         self.tp, self.mesh = model.tensor_parallel or (None, None)
+        if self.tp is not None and self.vision is not None:
+            raise ValueError("tensor_parallel_size > 1 with an image model is not supported yet; serve it on one device")
         if self.tp is not None and self.lora_enabled:
             raise ValueError("max_loras > 0 with tensor_parallel_size > 1 is not supported yet (LoRA slots are not "
                              "sharded); serve adapters on one device")
@@ -209,6 +214,9 @@ class Runner:
         self._copy_pages = jax.jit(functools.partial(_copy_kv_pages, page_size=page_size), donate_argnums=(0,),
                                    in_shardings=((kv_sharding, kv_sharding), on_device),
                                    out_shardings=(kv_sharding, kv_sharding))
+        if self.vision is not None:  # the vision step: one image's crops -> its embeddings in the params' image cache
+            self._encode_image = jax.jit(self.vision.encode, donate_argnums=(0,), in_shardings=on_device,
+                                         out_shardings=on_device)
         if not abstract:
             self.compile_table_writes()
         self._sampler_specs = (spec(slot.logits), spec(slot.tokens), spec(slot.logprobs), spec(slot.top_ids),
@@ -233,6 +241,29 @@ class Runner:
             index = jax.ShapeDtypeStruct((), jnp.int32)
             self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
             self._write_inline.lower(self._step_specs[0], index, blocks).compile()
+        if self.vision is not None:
+            for n in self.vision.crop_buckets:
+                self._encode_image.lower(self._step_specs[0], *self._image_specs(n)).compile()
+
+    def _image_specs(self, n: int) -> tuple:
+        v, on = self.vision, self._sharding
+        g = v.crop_size // v.patch_size
+        return (jax.ShapeDtypeStruct((), jnp.int32, sharding=on),
+                jax.ShapeDtypeStruct((n, v.crop_size, v.crop_size, 3), jnp.uint8, sharding=on),
+                jax.ShapeDtypeStruct((n - 1, g, g), jnp.float32, sharding=on),
+                jax.ShapeDtypeStruct((n - 1, g, g), jnp.float32, sharding=on))
+
+    def encode_image(self, slot: int, crops: np.ndarray, pool_rows: np.ndarray, pool_cols: np.ndarray) -> None:
+        """Dispatch the vision step for one image (its crops padded to the smallest bucket that holds them) into the
+        image cache's `slot`: ordered after every step already dispatched and before the next, which reads it."""
+        n = len(crops)
+        bucket = next(b for b in self.vision.crop_buckets if b >= n)
+        c = np.zeros((bucket, *crops.shape[1:]), np.uint8)
+        c[:n] = crops
+        r, k = (np.zeros((bucket - 1, *a.shape[1:]), np.float32) for a in (pool_rows, pool_cols))
+        r[:n - 1], k[:n - 1] = pool_rows, pool_cols
+        with _input_transfer():
+            self.params = self._encode_image(self.params, np.int32(slot), c, r, k)
 
     def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
         if self.abstract:

@@ -451,6 +451,13 @@ class Scheduler:
             else:
                 target = s.prefill_target
             chunk = min(target - s.num_computed, max_chunk, budget)
+            if s.image is not None and s.num_computed + chunk < sum(s.image_run):
+                # an image run and every position before it go in one chunk (bidirectional attention): wait for a step
+                # with room (the request builder checked that the largest chunk holds it)
+                assert admitting, "a running sequence's image prefix was split"
+                self._release_pages(s)
+                s.num_computed = 0
+                break
             row = Row(s, s.num_computed, chunk, [], -1, s.num_computed + chunk == target, len(s.output_ids))
             fit = self._fit_prefill(d_part, rows + [row], decode)
             if fit is None or not self._reserve(s, s.num_computed + chunk, planned, may_preempt=False):
@@ -517,7 +524,8 @@ class Scheduler:
         if len(s.page_keys) >= n:
             return s.page_keys[:n]
         tokens = s.prompt_ids if n * ps <= len(s.prompt_ids) else s.prompt_ids + s.output_ids
-        return page_keys(tokens, ps, n, s.page_keys, s.lora_key)[:n]
+        extra = s.lora_key if s.image is None else (s.lora_key, s.image.digest)  # (an image's pages: its content)
+        return page_keys(tokens, ps, n, s.page_keys, extra)[:n]
 
     def _max_ready_chunk(self, d_part: int) -> int:
         """Tokens per row of the largest ready prefill bucket that goes with `d_part` decode rows (0: none ready)."""

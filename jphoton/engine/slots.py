@@ -44,6 +44,7 @@ class PlannedStep:
     record: StepRecord
     input: StepInput
     automata: bool = False  # its automaton rows sample inside the step (the filtered variant)
+    image_slots: tuple | list = ()  # image-cache slots its prefill chunks read (pinned until the launch)
 
 
 @dataclasses.dataclass

@@ -39,6 +39,10 @@ class StepStatic:
     pallas_attention: bool = False
     lora_slots: int = 0  # LoRA adapter slots (models/lora.py); 0: LoRA off
     lora_rank: int = 0
+    # the model takes images (models/protocol.py Vision): a prefill row's negative tokens are image embeddings, and
+    # the positions up to its image run's end attend to each other bidirectionally
+    image_prefix: bool = False
+    decode_banned: tuple[int, ...] = ()  # token ids decode rows never sample (models/protocol.py)
 
 
 class StepLayout:
@@ -132,6 +136,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         token_slots(f["d_table"], d_pos[:, None], ps)[:, 0],
         jnp.where(p_valid, token_slots(f["p_table"], p_pos, ps), trash_slots[None, :]).reshape(-1),
     ])
+    p_prefix = p_mask_pos = None  # (rows with an image run: each row's prefix length, the positions their masks use)
+    if static.image_prefix and Bp:
+        p_prefix = jnp.max(jnp.where(f["p_tokens"] < 0, p_pos + 1, 0), axis=1)
+        p_mask_pos = jnp.maximum(p_pos, p_prefix[:, None] - 1)
     if shape.ctx_pages:
         attention = functools.partial(paged_attention_static, page_size=ps, num_pages=shape.ctx_pages,
                                       sliding_window=static.sliding_window)
@@ -167,9 +175,10 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             qp = q[Bd:].reshape(Bp, Tp, *q.shape[1:])
             if static.pallas_attention:  # its loop follows each row's own length: no context bucket
                 out = paged_prefill_attention(qp, k_pool, v_pool, layer, f["p_table"], f["p_start"], f["p_len"],
-                                              page_size=ps, sliding_window=static.sliding_window)
+                                              page_size=ps, sliding_window=static.sliding_window, prefix=p_prefix)
             else:
-                out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos, f["p_start"] + f["p_len"])
+                out = attention(qp, k_pool, v_pool, layer, f["p_table"], p_pos if p_mask_pos is None else p_mask_pos,
+                                f["p_start"] + f["p_len"])
             parts.append(out.reshape(Bp * Tp, *q.shape[1:]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0], (k_pool, v_pool)
 
@@ -185,6 +194,8 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         hidden = hidden[last]
     # a decode-only step's rows are its tokens: no gather (XLA kept the identity gather as a kernel of its own)
     logits = logits_fn(params, hidden)
+    if static.decode_banned and Bd:
+        logits = logits.at[:Bd, jnp.asarray(static.decode_banned)].set(-jnp.inf)
     if filtered:  # (top-k / top-p over the whole vocabulary: a shard's logits are gathered first)
         full = logits if tp is None else tp.gather_vocab(logits)
         scores = full

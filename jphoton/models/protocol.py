@@ -15,7 +15,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jphoton.models import llama, moe, tensor_parallel
+import jax.numpy as jnp
+
+from jphoton.models import llama, moe, moondream, tensor_parallel
 from jphoton.models import matmul as matmul_hook
 from jphoton.models.config import ModelConfig
 
@@ -40,6 +42,31 @@ class JaxModel:
     # How `llama_family` built forward / logits (its keyword options), for a second process to build the same functions
     # over abstract params (engine/compile_worker.py). None: a user's JaxModel, or a tensor-parallel one.
     recipe: dict | None = None
+    # An image encoder (`Vision`): the model takes images (Moondream); None: text only.
+    vision: Any = None
+    # Token ids a decode row never samples (their logits are -inf in every decode row; a prompt's first token, sampled
+    # by its prefill row, may be one): Moondream's reference masks its answer token so in every answer step but the first.
+    decode_banned_tokens: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Vision:
+    """What the engine needs to run a model's image encoder as a step of its pipeline (engine/images.py).
+
+    encode(params, slot, crops [C, S, S, 3] uint8, pool_rows, pool_cols [C - 1, g, g]) -> params writes one image's
+    `embed_rows` embeddings into the image cache inside params (`params["image_cache"]`, [slots, embed_rows, D]),
+    which forward reads for negative tokens: token -(1 + slot * embed_rows + j) is embedding j of the image in that
+    slot. A prompt's image run and the tokens before it (its first `prefix_len` positions) attend to each other
+    bidirectionally. C is padded to one of `crop_buckets` (padding crops have zero pooling weights)."""
+    prefix_len: int
+    embed_rows: int
+    slots: int
+    crop_buckets: tuple[int, ...]
+    crop_size: int
+    patch_size: int
+    overlap_margin: int
+    max_crops: int
+    encode: Callable
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -92,3 +119,33 @@ def rebuild(config: ModelConfig, params, recipe: dict, tp=None, forward_cfg: Mod
     min_rows = 1 if config.num_experts else mm.min_rows
     return JaxModel(config, params, forward, logits, name=config.name, min_decode_rows=min_rows,
                     supports_lora=not config.num_experts, recipe=dict(recipe))
+
+
+def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, name: str = "",
+                     image_slots: int = 32) -> JaxModel:
+    """Moondream 2 (models/moondream.py) for the engine: its text decoder as forward / logits, its vision encoder as
+    `Vision`; `image_slots` images' embeddings stay on the device (the image cache: a repeated image skips the
+    encoder)."""
+    t, v = config.text, config.vision
+    dtype = params["text"]["embed"].dtype
+    params = {**params, "image_cache": jnp.zeros((image_slots, v.grid ** 2, t.dim), dtype)}
+    mc = ModelConfig(architecture="custom", vocab_size=t.vocab_size, hidden_size=t.dim, intermediate_size=t.ff_dim,
+                     num_layers=t.n_layers, num_heads=t.n_heads, num_kv_heads=t.n_heads, head_dim=t.head_dim,
+                     max_position_embeddings=t.max_context, bos_token_id=config.bos_id,
+                     eos_token_ids=(config.eos_id,), name=name or config.name)
+    buckets = tuple(sorted({b for b in (2, 5, 9, v.max_crops + 1) if b <= v.max_crops + 1}))
+
+    def forward(params, tokens, positions, kv, attend):
+        return moondream.engine_forward(params, config, tokens, positions, kv, attend)
+
+    def logits(params, hidden):
+        return moondream.text_logits(params, config, hidden)
+
+    def encode(params, slot, crops, rows, cols):
+        return moondream.encode_into_cache(params, config, slot, crops, rows, cols)
+
+    vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
+                    crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
+                    max_crops=v.max_crops, encode=encode)
+    return JaxModel(mc, params, forward, logits, tokenizer=tokenizer, name=name or config.name, vision=vision,
+                    decode_banned_tokens=(config.answer_id,))

@@ -1,0 +1,320 @@
+"""Moondream 2 (the 2025-06 release) as config + params pytree + pure functions: vision encoder, projection, text decoder.
+
+Text decoder: Phi-style blocks (one LayerNorm with bias feeding attention and a GELU-tanh MLP in parallel, summed into
+the residual), multi-head attention with RoPE on the first `rot_dim` dims of each head, final LayerNorm, LM head with
+bias. Vision: a SigLIP-style ViT over 378x378 crops (patch 14 -> 27x27 = 729 patches), the global view plus up to
+`max_crops` overlapping local crops; the local crops' features are stitched and average-pooled back to 27x27
+(`pool_weights`, host side, fixed shape whatever the tiling), concatenated with the global view's and projected by a
+2-layer MLP into the text width. A query's prompt is BOS, the 729 image embeddings (attending to each other
+bidirectionally: the first `prefix_len` positions), then the skill template's tokens (jphoton/image/skills.py).
+Weights: x @ w layout ([in, out]); layers stacked on a leading axis (`param_shapes`). Loader: weights/moondream.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    dim: int = 2048
+    ff_dim: int = 8192
+    n_layers: int = 24
+    vocab_size: int = 51200
+    max_context: int = 2048
+    n_heads: int = 32
+    rot_dim: int = 32
+    rope_theta: float = 10000.0
+    ln_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    enc_dim: int = 1152
+    patch_size: int = 14
+    n_layers: int = 27
+    ff_dim: int = 4304
+    n_heads: int = 16
+    crop_size: int = 378
+    max_crops: int = 12
+    overlap_margin: int = 4
+    proj_inner_dim: int = 8192
+    ln_eps: float = 1e-5
+
+    @property
+    def grid(self) -> int:  # patches per side of a crop
+        return self.crop_size // self.patch_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionConfig:
+    """The spatial heads (point / detect): loaded and kept for the skills that use them."""
+    coord_feat_dim: int = 256
+    coord_out_dim: int = 1024
+    size_feat_dim: int = 512
+    size_out_dim: int = 2048
+    inner_dim: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class MoondreamConfig:
+    text: TextConfig = TextConfig()
+    vision: VisionConfig = VisionConfig()
+    region: RegionConfig = RegionConfig()
+    bos_id: int = 0
+    eos_id: int = 0
+    answer_id: int = 3
+    coord_id: int = 5
+    size_id: int = 6
+    name: str = "moondream2"
+
+    @property
+    def prefix_len(self) -> int:
+        """Positions of an image prefix: BOS + one per patch of the pooled grid; they attend to each other."""
+        return 1 + self.vision.grid ** 2
+
+
+def param_shapes(cfg: MoondreamConfig) -> Params:
+    t, v, r = cfg.text, cfg.vision, cfg.region
+    L, D, F, V = t.n_layers, t.dim, t.ff_dim, t.vocab_size
+    Lv, E, Fv, P = v.n_layers, v.enc_dim, v.ff_dim, v.proj_inner_dim
+    text = {
+        "embed": (V, D),
+        "layers": {"ln_w": (L, D), "ln_b": (L, D), "wqkv": (L, D, 3 * D), "bqkv": (L, 3 * D), "wo": (L, D, D),
+                   "bo": (L, D), "fc1": (L, D, F), "b1": (L, F), "fc2": (L, F, D), "b2": (L, D)},
+        "post_ln_w": (D,), "post_ln_b": (D,), "lm_head": (D, V), "lm_head_b": (V,),
+    }
+    vision = {
+        "patch_w": (v.patch_dim, E), "patch_b": (E,), "pos": (v.grid ** 2, E),
+        "layers": {"ln1_w": (Lv, E), "ln1_b": (Lv, E), "wqkv": (Lv, E, 3 * E), "bqkv": (Lv, 3 * E),
+                   "wo": (Lv, E, E), "bo": (Lv, E), "ln2_w": (Lv, E), "ln2_b": (Lv, E), "fc1": (Lv, E, Fv),
+                   "b1": (Lv, Fv), "fc2": (Lv, Fv, E), "b2": (Lv, E)},
+        "post_ln_w": (E,), "post_ln_b": (E,),
+        "proj_fc1": (2 * E, P), "proj_b1": (P,), "proj_fc2": (P, D), "proj_b2": (D,),
+    }
+    region = {
+        "coord_features": (1, r.coord_feat_dim // 2), "size_features": (2, r.size_feat_dim // 2),
+        "coord_enc_w": (r.coord_feat_dim, D), "coord_enc_b": (D,),
+        "coord_dec_fc1": (D, r.inner_dim), "coord_dec_b1": (r.inner_dim,),
+        "coord_dec_fc2": (r.inner_dim, r.coord_out_dim), "coord_dec_b2": (r.coord_out_dim,),
+        "size_enc_w": (r.size_feat_dim, D), "size_enc_b": (D,),
+        "size_dec_fc1": (D, r.inner_dim), "size_dec_b1": (r.inner_dim,),
+        "size_dec_fc2": (r.inner_dim, r.size_out_dim), "size_dec_b2": (r.size_out_dim,),
+    }
+    return {"text": text, "vision": vision, "region": region}
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm with statistics in float32, rounded back to x.dtype."""
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mu).mean(-1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return (jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def mlp(x: jax.Array, w1, b1, w2, b2) -> jax.Array:
+    h = jax.nn.gelu(_linear(x, w1, b1).astype(jnp.float32), approximate=True).astype(x.dtype)
+    return _linear(h, w2, b2)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: TextConfig) -> jax.Array:
+    """RoPE on the first rot_dim dims of each head, halves rotated against each other (the reference's non-interleaved
+    form); the rotated dims come out as [real | imaginary] halves where the reference interleaves them, the same
+    permutation for q and k, so every q.k product is the same. x [N, H, hd], positions [N]."""
+    rd = cfg.rot_dim
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, rd, 2, dtype=np.float32)[: rd // 2] / np.float32(rd)))
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv, jnp.float32)[None, :]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    xr, xi, rest = x[..., : rd // 2], x[..., rd // 2: rd], x[..., rd:]
+    xr32, xi32 = xr.astype(jnp.float32), xi.astype(jnp.float32)
+    out_r, out_i = xr32 * cos - xi32 * sin, xr32 * sin + xi32 * cos
+    return jnp.concatenate([out_r.astype(x.dtype), out_i.astype(x.dtype), rest], axis=-1)
+
+
+def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["text"]["embed"][tokens]
+
+
+def text_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend,
+                 embeds: jax.Array | None = None, use_embeds: jax.Array | None = None):
+    """The decoder over a flat batch of N tokens (the engine's `forward`): returns (hidden [N, D] before the final
+    LayerNorm, kv). embeds [N, D] with use_embeds [N] bool: those positions take the given embedding (image features)
+    instead of their token's. `attend(q, k, v, kv, layer)` as in models/protocol.py."""
+    t = cfg.text
+    H, hd = t.n_heads, t.head_dim
+    x = embed_tokens(params, tokens)
+    if embeds is not None:
+        x = jnp.where(use_embeds[:, None], embeds.astype(x.dtype), x)
+
+    def layer(carry, xs):
+        x, kv = carry
+        w, i = xs
+        h = layer_norm(x, w["ln_w"], w["ln_b"], t.ln_eps)
+        qkv = _linear(h, w["wqkv"], w["bqkv"])
+        q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(qkv, 3, axis=-1))
+        o, kv = attend(rope(q, positions, t), rope(k, positions, t), v, kv, i)
+        a = _linear(o.reshape(-1, t.dim), w["wo"], w["bo"])
+        x = x + a + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"])
+        return (x, kv), None
+
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["text"]["layers"], jnp.arange(t.n_layers)))
+    return x, kv
+
+
+def text_logits(params: Params, cfg: MoondreamConfig, hidden: jax.Array) -> jax.Array:
+    p = params["text"]
+    h = layer_norm(hidden, p["post_ln_w"], p["post_ln_b"], cfg.text.ln_eps)
+    return _linear(h, p["lm_head"], p["lm_head_b"]).astype(jnp.float32)
+
+
+def dense_attend(prefix_len: int):
+    """A reference `attend` over a contiguous KV cache (tests, `generate_reference`): kv = (k [L, S, H, hd],
+    v [L, S, H, hd], positions of the current tokens [N]) where the current tokens are written at their positions;
+    a key is visible iff k_pos <= max(q_pos, prefix_len - 1) and k_pos was written (k_pos <= max position so far)."""
+
+    def attend(q, k, v, kv, layer):
+        kc, vc, pos, seen = kv
+        kc = kc.at[layer, pos].set(k.astype(kc.dtype))
+        vc = vc.at[layer, pos].set(v.astype(vc.dtype))
+        S = kc.shape[1]
+        k_pos = jnp.arange(S)
+        limit = jnp.maximum(pos, prefix_len - 1) if prefix_len else pos
+        visible = (k_pos[None, :] <= limit[:, None]) & (k_pos[None, :] < seen)
+        s = jnp.einsum("nhd,shd->hns", q.astype(jnp.float32), kc[layer].astype(jnp.float32)) * (q.shape[-1] ** -0.5)
+        s = jnp.where(visible[None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("hns,shd->nhd", p, vc[layer].astype(jnp.float32)).astype(q.dtype)
+        return o, (kc, vc, pos, seen)
+
+    return attend
+
+
+def patches(crops: jax.Array, patch: int) -> jax.Array:
+    """crops [N, S, S, 3] uint8 -> [N, (S/p)^2, 3*p*p] in the reference's (channel, row, column) order, scaled to
+    [-1, 1]."""
+    N, S = crops.shape[0], crops.shape[1]
+    g = S // patch
+    x = crops.astype(jnp.float32) / 255.0 * 2.0 - 1.0
+    x = x.reshape(N, g, patch, g, patch, 3).transpose(0, 1, 3, 5, 2, 4)
+    return x.reshape(N, g * g, 3 * patch * patch)
+
+
+def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=None) -> jax.Array:
+    """crops [N, 378, 378, 3] uint8 -> features [N, 729, enc_dim] (after the final LayerNorm)."""
+    v, p = cfg.vision, params["vision"]
+    dtype = dtype or p["patch_w"].dtype
+    x = _linear(patches(crops, v.patch_size).astype(dtype), p["patch_w"], p["patch_b"]) + p["pos"].astype(dtype)
+    H, E = v.n_heads, v.enc_dim
+    N, T = x.shape[0], x.shape[1]
+
+    def block(x, w):
+        h = layer_norm(x, w["ln1_w"], w["ln1_b"], v.ln_eps)
+        q, k, vv = (a.reshape(N, T, H, E // H) for a in jnp.split(_linear(h, w["wqkv"], w["bqkv"]), 3, axis=-1))
+        s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * ((E // H) ** -0.5)
+        a = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(s, axis=-1).astype(dtype), vv,
+                       preferred_element_type=jnp.float32).astype(dtype)
+        x = x + _linear(a.reshape(N, T, E), w["wo"], w["bo"])
+        h = layer_norm(x, w["ln2_w"], w["ln2_b"], v.ln_eps)
+        return x + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"]), None
+
+    x, _ = jax.lax.scan(block, x, p["layers"])
+    return layer_norm(x, p["post_ln_w"], p["post_ln_b"], v.ln_eps)
+
+
+def vision_project(params: Params, cfg: MoondreamConfig, features: jax.Array, pool_rows: jax.Array,
+                   pool_cols: jax.Array) -> jax.Array:
+    """features [1 + C, 729, E] (global view first, then C local crops; padding crops allowed) and the crops' pooling
+    weights pool_rows / pool_cols [C, g, g] (`jphoton.image.crops.pool_weights`: zero for padding crops) ->
+    image embeddings [729, D]. The local features are stitched and average-pooled to g x g as
+    sum_c rows_c @ F_c @ cols_c^T, which is the reference's reconstruct-then-adaptive-pool, in one fixed shape."""
+    v, p = cfg.vision, params["vision"]
+    g, E = v.grid, v.enc_dim
+    local = features[1:].reshape(-1, g, g, E).astype(jnp.float32)
+    pooled = jnp.einsum("cij,cjkd,clk->ild", pool_rows.astype(jnp.float32), local, pool_cols.astype(jnp.float32))
+    x = jnp.concatenate([features[0], pooled.reshape(g * g, E).astype(features.dtype)], axis=-1)
+    return mlp(x, p["proj_fc1"], p["proj_b1"], p["proj_fc2"], p["proj_b2"])
+
+
+def generate_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], image_embeds=None,
+                       max_tokens: int = 32, stop: int | None = None, banned: int | None = None) -> list[int]:
+    """Greedy decoding the plain way (one contiguous cache, no engine): the reference the engine is tested against.
+    image_embeds [729, D] or None: the prompt is then BOS + image + `prompt` with the bidirectional prefix; else
+    `prompt` alone, causal. Stops at `stop` (default eos) or max_tokens; `banned` (default answer_id) is masked
+    in every decode step after the first, as the reference does."""
+    t = cfg.text
+    stop = cfg.eos_id if stop is None else stop
+    banned = cfg.answer_id if banned is None else banned
+    S = t.max_context
+    dtype = params["text"]["embed"].dtype
+    kc = jnp.zeros((t.n_layers, S, t.n_heads, t.head_dim), dtype)
+    kv = (kc, kc)
+    prefix_len = cfg.prefix_len if image_embeds is not None else 0
+    if image_embeds is not None:
+        tokens = [cfg.bos_id] + [0] * (cfg.prefix_len - 1) + list(prompt)
+        embeds = jnp.concatenate([jnp.zeros((1, t.dim), dtype), jnp.asarray(image_embeds, dtype),
+                                  jnp.zeros((len(prompt), t.dim), dtype)])
+        use = np.zeros(len(tokens), bool)
+        use[1:cfg.prefix_len] = True
+    else:
+        tokens, embeds, use = list(prompt), None, None
+    attend = dense_attend(prefix_len)
+
+    @jax.jit
+    def step(params, tokens, positions, kv, embeds, use):
+        n = positions[-1] + 1
+        hidden, (k, v, _, _) = text_forward(params, cfg, tokens, positions, (*kv, positions, n), attend, embeds, use)
+        return text_logits(params, cfg, hidden[-1:])[0], (k, v)
+
+    pos = jnp.arange(len(tokens), dtype=jnp.int32)
+    logits, kv = step(params, jnp.asarray(tokens, jnp.int32), pos, kv, embeds,
+                      None if use is None else jnp.asarray(use))
+    out, n = [], len(tokens)
+    while len(out) < max_tokens:
+        tok = int(jnp.argmax(logits))
+        if tok == stop:
+            break
+        out.append(tok)
+        logits, kv = step(params, jnp.asarray([tok], jnp.int32), jnp.asarray([n], jnp.int32), kv, None, None)
+        logits = logits.at[banned].set(-jnp.inf)
+        n += 1
+    return out
+
+
+def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend):
+    """`text_forward` as the engine runs it (models/protocol.py): a negative token -(1 + i) is row i of the image
+    cache `params["image_cache"]` ([slots, 729, D] flattened; written by `encode_into_cache`), so an image prefix
+    rides in an ordinary prefill chunk."""
+    img = tokens < 0
+    cache = params["image_cache"].reshape(-1, cfg.text.dim)
+    embeds = cache[jnp.where(img, -tokens - 1, 0)]
+    return text_forward(params, cfg, jnp.where(img, 0, tokens), positions, kv, attend, embeds, img)
+
+
+def encode_into_cache(params: Params, cfg: MoondreamConfig, slot: jax.Array, crops: jax.Array, pool_rows: jax.Array,
+                      pool_cols: jax.Array) -> Params:
+    """The vision step: encode one image's crops (padded to a bucket: padding crops have zero pooling weights) and
+    write its projected embeddings into `params["image_cache"][slot]`. Returns params (the engine donates them)."""
+    feats = vision_encode(params, cfg, crops, dtype=params["image_cache"].dtype)
+    emb = vision_project(params, cfg, feats, pool_rows, pool_cols)
+    cache = jax.lax.dynamic_update_slice(params["image_cache"], emb[None].astype(params["image_cache"].dtype),
+                                         (slot, 0, 0))
+    return {**params, "image_cache": cache}

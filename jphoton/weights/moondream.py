@@ -1,0 +1,269 @@
+"""Moondream 2 checkpoints in the official layout: one `model.safetensors` with `model.text.*`, `model.vision.*`,
+`model.region.*` keys (torch [out, in] matrices) and `tokenizer.json` beside it; the file Photon's engine loads too.
+
+`read_checkpoint` maps it to models/moondream.py's params (x @ w layout, layers stacked), taking the sizes from the
+tensors' shapes (head counts: 64-wide text heads, 72-wide vision heads, as the release has). `write_random_checkpoint`
+writes a small seeded one in the same layout (tests, fixtures); `random_params` builds the real shape on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jphoton.models.moondream import MoondreamConfig, RegionConfig, TextConfig, VisionConfig, param_shapes
+
+TEXT_HEAD_DIM, VISION_HEAD_DIM = 64, 72
+
+# official key (after "model.") -> (group, our key, transpose); "{i}" = a block index
+_TOP = {
+    "text.wte": ("text", "embed", False), "text.post_ln.weight": ("text", "post_ln_w", False),
+    "text.post_ln.bias": ("text", "post_ln_b", False), "text.lm_head.weight": ("text", "lm_head", True),
+    "text.lm_head.bias": ("text", "lm_head_b", False),
+    "vision.patch_emb.weight": ("vision", "patch_w", True), "vision.patch_emb.bias": ("vision", "patch_b", False),
+    "vision.pos_emb": ("vision", "pos", False), "vision.post_ln.weight": ("vision", "post_ln_w", False),
+    "vision.post_ln.bias": ("vision", "post_ln_b", False),
+    "vision.proj_mlp.fc1.weight": ("vision", "proj_fc1", True), "vision.proj_mlp.fc1.bias": ("vision", "proj_b1", False),
+    "vision.proj_mlp.fc2.weight": ("vision", "proj_fc2", True), "vision.proj_mlp.fc2.bias": ("vision", "proj_b2", False),
+    "region.coord_features": ("region", "coord_features", False),
+    "region.size_features": ("region", "size_features", False),
+    "region.coord_encoder.weight": ("region", "coord_enc_w", True),
+    "region.coord_encoder.bias": ("region", "coord_enc_b", False),
+    "region.coord_decoder.fc1.weight": ("region", "coord_dec_fc1", True),
+    "region.coord_decoder.fc1.bias": ("region", "coord_dec_b1", False),
+    "region.coord_decoder.fc2.weight": ("region", "coord_dec_fc2", True),
+    "region.coord_decoder.fc2.bias": ("region", "coord_dec_b2", False),
+    "region.size_encoder.weight": ("region", "size_enc_w", True),
+    "region.size_encoder.bias": ("region", "size_enc_b", False),
+    "region.size_decoder.fc1.weight": ("region", "size_dec_fc1", True),
+    "region.size_decoder.fc1.bias": ("region", "size_dec_b1", False),
+    "region.size_decoder.fc2.weight": ("region", "size_dec_fc2", True),
+    "region.size_decoder.fc2.bias": ("region", "size_dec_b2", False),
+}
+_TEXT_BLOCK = {"ln.weight": ("ln_w", False), "ln.bias": ("ln_b", False), "attn.qkv.weight": ("wqkv", True),
+               "attn.qkv.bias": ("bqkv", False), "attn.proj.weight": ("wo", True), "attn.proj.bias": ("bo", False),
+               "mlp.fc1.weight": ("fc1", True), "mlp.fc1.bias": ("b1", False), "mlp.fc2.weight": ("fc2", True),
+               "mlp.fc2.bias": ("b2", False)}
+_VISION_BLOCK = {"ln1.weight": ("ln1_w", False), "ln1.bias": ("ln1_b", False), "ln2.weight": ("ln2_w", False),
+                 "ln2.bias": ("ln2_b", False), "attn.qkv.weight": ("wqkv", True), "attn.qkv.bias": ("bqkv", False),
+                 "attn.proj.weight": ("wo", True), "attn.proj.bias": ("bo", False), "mlp.fc1.weight": ("fc1", True),
+                 "mlp.fc1.bias": ("b1", False), "mlp.fc2.weight": ("fc2", True), "mlp.fc2.bias": ("b2", False)}
+_BLOCK = re.compile(r"^(text|vision)\.blocks\.(\d+)\.(.+)$")
+
+
+def checkpoint_file(source: str | pathlib.Path) -> pathlib.Path | None:
+    """The model.safetensors of a Moondream checkpoint (a directory or the file itself), or None if `source` is not
+    one (its keys are not `model.text.*` / `model.vision.*`)."""
+    p = pathlib.Path(source)
+    f = p / "model.safetensors" if p.is_dir() else p
+    if not (f.is_file() and f.suffix == ".safetensors"):
+        return None
+    try:
+        with safe_open(str(f), framework="numpy") as st:
+            keys = list(st.keys())
+    except (SafetensorError, OSError):
+        return None
+    return f if any(k.startswith("model.vision.") for k in keys) and "model.text.wte" in keys else None
+
+
+def read_checkpoint(path: str | pathlib.Path) -> tuple[MoondreamConfig, dict]:
+    """(config, params as host numpy arrays in the checkpoint's dtype) of an official-layout file."""
+    path = pathlib.Path(path)
+    top: dict[tuple[str, str], np.ndarray] = {}
+    blocks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    unexpected = []
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                if name in _TOP:
+                    g, k, tr = _TOP[name]
+                    t = f.get_tensor(key)
+                    top[(g, k)] = t.T if tr else t
+                elif (m := _BLOCK.match(name)) and m.group(3) in (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK):
+                    k, tr = (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK)[m.group(3)]
+                    t = f.get_tensor(key)
+                    blocks.setdefault((m.group(1), k), {})[int(m.group(2))] = t.T if tr else t
+                else:
+                    unexpected.append(key)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+    if unexpected:
+        raise ValueError(f"{path}: tensors a Moondream 2 checkpoint does not have: {unexpected[:8]}")
+    need = [("text", "embed"), ("vision", "patch_w"), ("vision", "proj_fc1"), ("region", "coord_enc_w")]
+    if missing := [f"{g}.{k}" for g, k in need if (g, k) not in top]:
+        raise ValueError(f"{path}: not a Moondream 2 checkpoint (missing {missing})")
+    cfg = _config_from_shapes(top, blocks)
+    params: dict = {"text": {"layers": {}}, "vision": {"layers": {}}, "region": {}}
+    for (g, k), t in top.items():
+        params[g][k] = t.reshape(-1, t.shape[-1]) if (g, k) == ("vision", "pos") else t
+    for (g, k), by_layer in blocks.items():
+        n = cfg.text.n_layers if g == "text" else cfg.vision.n_layers
+        if sorted(by_layer) != list(range(n)):
+            raise ValueError(f"{path}: {g} blocks have {k} for layers {sorted(by_layer)[:8]}, expected 0..{n - 1}")
+        params[g]["layers"][k] = np.stack([by_layer[i] for i in range(n)])
+    _check_shapes(cfg, params, str(path))
+    return cfg, params
+
+
+def _config_from_shapes(top, blocks) -> MoondreamConfig:
+    V, D = top[("text", "embed")].shape
+    L = len(blocks.get(("text", "wqkv"), {}))
+    F = next(iter(blocks[("text", "fc1")].values())).shape[1] if L else 8192
+    pdim, E = top[("vision", "patch_w")].shape
+    patch = int(round((pdim / 3) ** 0.5))
+    grid = int(round(top[("vision", "pos")].size / E) ** 0.5)
+    Lv = len(blocks.get(("vision", "wqkv"), {}))
+    Fv = next(iter(blocks[("vision", "fc1")].values())).shape[1] if Lv else 4304
+    P = top[("vision", "proj_fc1")].shape[1]
+    coord_feat, _ = top[("region", "coord_enc_w")].shape
+    size_feat = top[("region", "size_enc_w")].shape[0]
+    inner = top[("region", "coord_dec_fc1")].shape[1]
+    text = TextConfig(dim=D, ff_dim=F, n_layers=L, vocab_size=V, n_heads=D // TEXT_HEAD_DIM)
+    vision = VisionConfig(enc_dim=E, patch_size=patch, n_layers=Lv, ff_dim=Fv, n_heads=max(1, E // VISION_HEAD_DIM),
+                          crop_size=grid * patch, proj_inner_dim=P)
+    region = RegionConfig(coord_feat_dim=coord_feat, coord_out_dim=top[("region", "coord_dec_fc2")].shape[1],
+                          size_feat_dim=size_feat, size_out_dim=top[("region", "size_dec_fc2")].shape[1],
+                          inner_dim=inner)
+    return MoondreamConfig(text=text, vision=vision, region=region)
+
+
+def _check_shapes(cfg: MoondreamConfig, params: dict, source: str) -> None:
+    def walk(want, got, path):
+        if isinstance(want, dict):
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            if missing or extra:
+                raise ValueError(f"{source}: params{path}: missing {missing}, unexpected {extra}")
+            for k in want:
+                walk(want[k], got[k], f"{path}.{k}")
+        elif tuple(got.shape) != tuple(want):
+            raise ValueError(f"{source}: params{path} has shape {tuple(got.shape)}, the config implies {tuple(want)}")
+
+    walk(param_shapes(cfg), params, "")
+
+
+def to_device(params: dict, dtype) -> dict:
+    """Host arrays -> device arrays of `dtype` (the cast on the device: one copy in the checkpoint's precision)."""
+    return jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)
+
+
+def random_params(cfg: MoondreamConfig, dtype, seed: int = 0) -> dict:
+    """Random weights of the config's shape built on the device (benchmarks; values do not matter to timing):
+    matrices N(0, 1/fan_in), LayerNorm gains 1, biases 0."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    names = [path[-1].key for path, _ in flat]
+    shapes = [shape for _, shape in flat]
+
+    def init(key, name, shape):
+        if "ln" in name and name.endswith("_w"):
+            return jnp.ones(shape, dtype)
+        if name.endswith("_b") or name[0] == "b" or name.endswith(("_b1", "_b2")):
+            return jnp.zeros(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    make = jax.jit(lambda keys: [init(k, n, s) for k, n, s in zip(keys, names, shapes, strict=True)])
+    return jax.tree.unflatten(tree, make(keys))
+
+
+def official_tensors(cfg: MoondreamConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, torch shape) of every tensor of the official layout for this config."""
+    inv_top = {(g, k): (name, tr) for name, (g, k, tr) in _TOP.items()}
+    shapes = param_shapes(cfg)
+    out = []
+    for (g, k), (name, tr) in inv_top.items():
+        s = shapes[g][k]
+        if (g, k) == ("vision", "pos"):
+            s = (1, *s)
+        out.append((f"model.{name}", tuple(reversed(s)) if tr else tuple(s)))
+    for g, table, n in (("text", _TEXT_BLOCK, cfg.text.n_layers), ("vision", _VISION_BLOCK, cfg.vision.n_layers)):
+        for i in range(n):
+            for sub, (k, tr) in table.items():
+                s = shapes[g]["layers"][k][1:]
+                out.append((f"model.{g}.blocks.{i}.{sub}", tuple(reversed(s)) if tr else tuple(s)))
+    return out
+
+
+def write_random_checkpoint(out_dir: str | pathlib.Path, cfg: MoondreamConfig, seed: int = 0) -> pathlib.Path:
+    """A float32 checkpoint of this config in the official layout (plus the word-level tokenizer `w<i>` <-> id i)
+    with seeded random weights, LayerNorm gains and biases included, scaled so activations stay O(1) and greedy
+    choices are well separated (fixtures compare token ids with the reference implementation)."""
+    from safetensors.numpy import save_file
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for key, shape in official_tensors(cfg):
+        if key.endswith(("ln.weight", "ln1.weight", "ln2.weight", "post_ln.weight")):
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif key.endswith(".bias"):
+            a = 0.02 * rng.standard_normal(shape)
+        elif key in ("model.text.wte", "model.vision.pos_emb"):
+            a = (1.0 if key == "model.text.wte" else 0.5) * rng.standard_normal(shape)
+        else:
+            scale = 3.0 if key == "model.text.lm_head.weight" else 1.0
+            a = scale * rng.standard_normal(shape) / np.sqrt(shape[-1])
+        tensors[key] = a.astype(np.float32)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    write_word_tokenizer(out_dir / "tokenizer.json", cfg.text.vocab_size)
+    (out_dir / "moondream.json").write_text(json.dumps({"seed": seed, "source": "write_random_checkpoint"}))
+    return out_dir / "model.safetensors"
+
+
+def write_word_tokenizer(path: str | pathlib.Path, vocab_size: int) -> None:
+    """A word-level tokenizer where the word `w<i>` is id i (whitespace split): prompts of known ids, any vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w100"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+
+
+def is_source(source) -> bool:
+    """A Moondream source: `random:moondream2[:layers=N][:vision_layers=N]` or an official-layout checkpoint."""
+    if isinstance(source, str) and source.startswith("random:"):
+        return source.split(":")[1] == "moondream2"
+    return isinstance(source, str | pathlib.Path) and _is_checkpoint(source)
+
+
+def _is_checkpoint(source) -> bool:
+    try:
+        return checkpoint_file(pathlib.Path(source).expanduser()) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def parse_random(spec: str) -> MoondreamConfig:
+    """`random:moondream2[:layers=N][:vision_layers=N]` -> the real shape, with fewer layers if asked."""
+    parts = spec.split(":")
+    cfg = MoondreamConfig(name=spec)
+    changes = {}
+    for part in parts[2:]:
+        key, _, value = part.partition("=")
+        if key not in ("layers", "vision_layers") or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"bad option {part!r} in {spec!r}; options: layers=N, vision_layers=N (N >= 1)")
+        changes[key] = int(value)
+    text = dataclasses.replace(cfg.text, n_layers=changes.get("layers", cfg.text.n_layers))
+    vision = dataclasses.replace(cfg.vision, n_layers=changes.get("vision_layers", cfg.vision.n_layers))
+    return dataclasses.replace(cfg, text=text, vision=vision)
+
+
+def load(source, dtype) -> tuple[MoondreamConfig, dict, object, str]:
+    """(config, params on the device in `dtype`, tokenizer or None, name) of a Moondream source (`is_source`)."""
+    from jphoton.text.tokenizer import Tokenizer
+
+    if isinstance(source, str) and source.startswith("random:"):
+        cfg = parse_random(source)
+        return cfg, random_params(cfg, dtype), None, source
+    f = checkpoint_file(pathlib.Path(source).expanduser())
+    cfg, host = read_checkpoint(f)
+    cfg = dataclasses.replace(cfg, name=str(source))
+    return cfg, to_device(host, dtype), Tokenizer.from_hf_dir(f.parent), str(source)
