@@ -1,0 +1,172 @@
+"""Moondream 2 against the official reference implementation (vikhyat/moondream at 44146f1, torch, float32 on CPU),
+token for token, without torch: tests/fixtures/moondream/fixtures.json + features.npz, made by
+tests/fixtures/moondream/make_fixtures.py from checkpoints that `write_random_checkpoint` rebuilds here bit for bit
+(same seeds). Checked: the crops (tiling and the uint8 pixels' sha256), the projected image features, the prompt ids
+of every skill, and the greedy ids of `generate_reference` for image queries, captions and text-only queries (config
+"c" raises lm_head biases: answer_id wins the unmasked first step, later steps mask it, eos ends early). Also
+`pool_weights` against a direct stitch + adaptive-average-pool for every tiling of at most 12 crops."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from jphoton.engine import compiles
+from jphoton.image.crops import overlap_crops, pool_weights
+from jphoton.image.skills import skill_prompt
+from jphoton.models.moondream import generate_reference, vision_encode, vision_project
+from jphoton.weights.moondream import read_checkpoint, to_device
+from jphoton.weights.store import cache_dir
+
+HERE = pathlib.Path(__file__).parent / "fixtures" / "moondream"
+_spec = importlib.util.spec_from_file_location("moondream_make_fixtures", HERE / "make_fixtures.py")
+mf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mf)
+
+FIX = json.loads((HERE / "fixtures.json").read_text())
+FEATURES = np.load(HERE / "features.npz")
+IMAGES = mf.make_images()
+CASES = [(c, i) for c, entry in FIX["configs"].items() for i in entry["images"]]
+# features: float32 torch vs float32 XLA after 27 encoder layers; the largest difference seen is 2.5e-6 (abs;
+# values up to 2.5)
+FEATURE_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """config name -> (cfg, float32 params, tokenizer) of the rebuilt checkpoints."""
+    # generate_reference jits a fresh closure per call: the on-disk XLA cache (as every LLM of the session turns on)
+    # makes its repeated compiles loads, ~2 s -> ~0.5 s a generation
+    if os.environ.get("JPHOTON_XLA_CACHE", "1") != "0":
+        compiles.enable_persistent_cache(str(cache_dir().parent / "xla"))
+    out = {}
+    for name, entry in FIX["configs"].items():
+        d = tmp_path_factory.mktemp(f"moondream_{name}")
+        assert entry["seed"] == mf.CONFIGS[name]["seed"]
+        f = mf.write_checkpoint(d, name)  # write_random_checkpoint (+ config c's lm_head biases)
+        cfg, host = read_checkpoint(f)
+        want = mf.jphoton_config(name)
+        assert (cfg.text, cfg.vision, cfg.region) == (want.text, want.vision, want.region)
+        out[name] = (cfg, to_device(host, jnp.float32), Tokenizer.from_file(str(d / "tokenizer.json")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def embeds(models):
+    """(config, image) -> projected image features [729, D] computed by jphoton."""
+    encode = jax.jit(vision_encode, static_argnums=1)
+    project = jax.jit(vision_project, static_argnums=1)
+    out = {}
+    for c, i in CASES:
+        cfg, params, _ = models[c]
+        crops, tiling = overlap_crops(IMAGES[i])
+        rows, cols = pool_weights(tiling)
+        feats = encode(params, cfg, jnp.asarray(crops))
+        out[(c, i)] = np.asarray(project(params, cfg, feats, jnp.asarray(rows), jnp.asarray(cols)))
+    return out
+
+
+def test_images_are_the_fixtures_images():
+    assert {k: list(v.shape[:2]) for k, v in IMAGES.items()} == FIX["image_sizes"]
+
+
+@pytest.mark.parametrize("image", sorted({i for _, i in CASES}))
+def test_crops_match_reference(image):
+    ref = next(e["images"][image] for e in FIX["configs"].values() if image in e["images"])
+    crops, tiling = overlap_crops(IMAGES[image])
+    assert list(tiling) == ref["tiling"]
+    assert crops.shape == (ref["n_crops"], 378, 378, 3)
+    assert hashlib.sha256(crops.tobytes()).hexdigest() == ref["crops_sha256"]
+
+
+@pytest.mark.parametrize(("config", "image"), CASES)
+def test_features_match_reference(embeds, config, image):
+    ref_item = FIX["configs"][config]["images"][image]
+    got = embeds[(config, image)]
+    ref = FEATURES[f"{config}/{image}"]
+    np.testing.assert_allclose(got[:: FIX["feature_stride"]], ref, **FEATURE_TOL)
+    assert abs(float(got.mean()) - ref_item["features_mean"]) < 1e-5
+    assert abs(float(got.std()) - ref_item["features_std"]) < 1e-5
+
+
+def _check_generation(models, config, gen, image_embeds, **prompt_kw):
+    cfg, params, tok = models[config]
+    with_image = image_embeds is not None
+    prompt, run = skill_prompt(prompt_kw.pop("skill"), lambda s: tok.encode(s).ids, 729, with_image=with_image,
+                               **prompt_kw)
+    if with_image:  # BOS + the image run come from the image; the reference prefills the template from pos 730
+        assert run == (1, 729) and prompt[:730] == [cfg.bos_id] * 730 and gen["pos"] == 730
+        body = prompt[730:]
+    else:
+        assert run == (0, 0) and gen["pos"] == 0
+        body = prompt
+    assert body == gen["prompt"]
+    ids = generate_reference(params, cfg, body, image_embeds, max_tokens=FIX["max_tokens"])
+    assert ids == gen["ids"], f"min top-2 margin in the reference {gen['min_margin']:.3g}"
+
+
+@pytest.mark.parametrize(("config", "image"), CASES)
+def test_image_generation_matches_reference(models, embeds, config, image):
+    item = FIX["configs"][config]["images"][image]
+    emb = embeds[(config, image)]
+    for gen in item["query"]:
+        _check_generation(models, config, gen, emb, skill="query", question=gen["question"])
+    for gen in item["caption"]:
+        _check_generation(models, config, gen, emb, skill="caption", length=gen["length"])
+
+
+@pytest.mark.parametrize("config", sorted(FIX["configs"]))
+def test_text_only_query_matches_reference(models, config):
+    for gen in FIX["configs"][config]["text_only"]:
+        _check_generation(models, config, gen, None, skill="query", question=gen["question"])
+
+
+def _adaptive_avg_pool(x: np.ndarray, out: int) -> np.ndarray:
+    """[H, W, E] -> [out, out, E], torch's adaptive_avg_pool2d windows: floor(i*n/out) .. ceil((i+1)*n/out)."""
+    H, W = x.shape[:2]
+    y = np.zeros((out, out, x.shape[2]))
+    for i in range(out):
+        r0, r1 = (i * H) // out, -(-((i + 1) * H) // out)
+        for j in range(out):
+            c0, c1 = (j * W) // out, -(-((j + 1) * W) // out)
+            y[i, j] = x[r0:r1, c0:c1].mean(axis=(0, 1))
+    return y
+
+
+def _stitch(feats: np.ndarray, th: int, tw: int, margin: int) -> np.ndarray:
+    """[th*tw, g, g, E] local crops' features -> the stitched grid, each crop keeping its margins only at the
+    image's border."""
+    g = feats.shape[1]
+    step = g - 2 * margin
+    out = np.full((step * th + 2 * margin, step * tw + 2 * margin, feats.shape[3]), np.nan)
+    for c in range(th * tw):
+        i, j = divmod(c, tw)
+        r0, r1 = (0 if i == 0 else margin), (g if i == th - 1 else g - margin)
+        c0, c1 = (0 if j == 0 else margin), (g if j == tw - 1 else g - margin)
+        out[i * step + r0: i * step + r1, j * step + c0: j * step + c1] = feats[c, r0:r1, c0:c1]
+    assert not np.isnan(out).any()
+    return out
+
+
+@pytest.mark.parametrize("tiling", [(h, w) for h in range(1, 13) for w in range(1, 13) if h * w <= 12])
+def test_pool_weights_are_stitch_and_pool(tiling):
+    th, tw = tiling
+    g, margin, E = 27, 4, 3
+    rng = np.random.default_rng(th * 100 + tw)
+    feats = rng.standard_normal((th * tw, g, g, E))
+    want = _adaptive_avg_pool(_stitch(feats, th, tw, margin), g)
+    rows, cols = pool_weights(tiling, g, margin, num_crops=13)
+    assert rows.shape == cols.shape == (13, g, g) and rows.dtype == np.float32
+    assert not rows[th * tw:].any() and not cols[th * tw:].any()
+    padded = np.concatenate([feats, rng.standard_normal((13 - th * tw, g, g, E))])  # padding crops weigh nothing
+    got = np.einsum("cij,cjkd,clk->ild", rows.astype(np.float64), padded, cols.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
