@@ -50,6 +50,7 @@ class FakeRunner:
         self.packer = StepPacker(self.static, size, False)
         self.automaton_states = 0
         self.input_transfers = 0
+        self.vision = None  # a text model: no image encoder
         self.tokens = [1] * max_rows
         self.device_call = None
         self.pollute: np.ndarray | None = None
