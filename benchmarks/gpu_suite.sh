@@ -7,7 +7,7 @@
 # finishes; all of them in one device call). One-off probes and tuning sweeps live in lab/ (lab/lab_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECTIONS="startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
+SECTIONS="moondream moondream-vs-kestrel startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
   host-overhead tp-check tp-steps tp-big"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
@@ -34,6 +34,10 @@ run() {  # run NAME CMD...: time-boxed, logged
 [ "$1" = all ] && set -- $SECTIONS
 for section in "$@"; do
   case $section in
+    moondream)  # Moondream 2 (random weights, bf16): start-up, text and image rows as moondream-vs-kestrel, plus decode
+      # at batch 1 with the text layers' products as plain XLA dots (scanned) and all through the Pallas GEMV
+      run moondream python3 benchmarks/moondream.py --model random:moondream2 --out "$OUT/moondream.jsonl" \
+        --variants '{"matmul": "xla-plain", "unroll_layers": false}' '{"matmul": "gemv"}' ;;
     startup)  # time to first token of a fresh process, default LLM(), cold then warm caches, three model shapes
       run startup python3 benchmarks/startup.py --models random:smollm2-135m random:llama3.2-1b \
         random:qwen3-30b-a3b:layers=8 --out "$OUT/startup.json" ;;

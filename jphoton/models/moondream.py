@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jphoton.models.matmul import PlainMatmul
+
 Params = dict[str, Any]
 
 
@@ -154,29 +156,68 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
     return params["text"]["embed"][tokens]
 
 
+def serving_layout(params: Params) -> Params:
+    """The layout the engine serves on the GPU (models/llama.py `unstack_layers` explains why): the text layers'
+    matrices as a tuple of per-layer dicts, their vectors (norms, biases) kept as [L, X] stacks in
+    `params["text"]["layer_vectors"]` (fewer arguments per step). Already per-layer params come back unchanged."""
+    text = params["text"]
+    if isinstance(text["layers"], tuple):
+        return params
+    stacks = text["layers"]
+    n = next(iter(stacks.values())).shape[0]
+    matrices = {k: a for k, a in stacks.items() if a.ndim == 3}
+    split = {k: (list(a) if isinstance(a, np.ndarray) else _split_leading(a)) for k, a in matrices.items()}
+    layers = tuple({k: split[k][i] for k in matrices} for i in range(n))
+    vectors = {k: a for k, a in stacks.items() if a.ndim == 2}
+    return {**params, "text": {**text, "layers": layers, "layer_vectors": vectors}}
+
+
+@jax.jit
+def _split_leading(a: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(a[i] for i in range(a.shape[0]))
+
+
 def text_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend,
-                 embeds: jax.Array | None = None, use_embeds: jax.Array | None = None):
+                 embeds: jax.Array | None = None, use_embeds: jax.Array | None = None, matmul=None):
     """The decoder over a flat batch of N tokens (the engine's `forward`): returns (hidden [N, D] before the final
     LayerNorm, kv). embeds [N, D] with use_embeds [N] bool: those positions take the given embedding (image features)
-    instead of their token's. `attend(q, k, v, kv, layer)` as in models/protocol.py."""
+    instead of their token's. `attend(q, k, v, kv, layer)` as in models/protocol.py. `matmul`: the weight products'
+    hook (models/matmul.py; None: plain XLA dots). Stacked layers run in a `lax.scan`, per-layer ones
+    (`serving_layout`) unrolled."""
     t = cfg.text
     H, hd = t.n_heads, t.head_dim
+    mm = matmul or PlainMatmul()
     x = embed_tokens(params, tokens)
     if embeds is not None:
         x = jnp.where(use_embeds[:, None], embeds.astype(x.dtype), x)
 
-    def layer(carry, xs):
+    def layer(x, kv, lp, vec, stacks, index, i):
+        """lp: the layer's matrices (for XLA dots); stacks[key][index]: the same as a stack + index (for kernels);
+        vec: its vectors; i: its index in the KV cache."""
+        def linear(v, key, bias):
+            return (mm(v, lp[key], stacks[key], index).astype(jnp.float32) + vec[bias].astype(jnp.float32)
+                    ).astype(v.dtype)
+
+        h = layer_norm(x, vec["ln_w"], vec["ln_b"], t.ln_eps)
+        q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(linear(h, "wqkv", "bqkv"), 3, axis=-1))
+        o, kv = attend(rope(q, positions, t), rope(k, positions, t), v, kv, i)
+        a = linear(o.reshape(-1, t.dim), "wo", "bo")
+        f = jax.nn.gelu(linear(h, "fc1", "b1").astype(jnp.float32), approximate=True).astype(x.dtype)
+        return x + a + linear(f, "fc2", "b2"), kv
+
+    layers = params["text"]["layers"]
+    if isinstance(layers, tuple):  # unrolled: the layer index a Python int (no loop control between layers)
+        vectors = params["text"]["layer_vectors"]
+        for i, lp in enumerate(layers):
+            x, kv = layer(x, kv, lp, {k: a[i] for k, a in vectors.items()}, {k: a[None] for k, a in lp.items()}, 0, i)
+        return x, kv
+
+    def scanned(carry, xs):
         x, kv = carry
         w, i = xs
-        h = layer_norm(x, w["ln_w"], w["ln_b"], t.ln_eps)
-        qkv = _linear(h, w["wqkv"], w["bqkv"])
-        q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(qkv, 3, axis=-1))
-        o, kv = attend(rope(q, positions, t), rope(k, positions, t), v, kv, i)
-        a = _linear(o.reshape(-1, t.dim), w["wo"], w["bo"])
-        x = x + a + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"])
-        return (x, kv), None
+        return layer(x, kv, w, w, layers, i, i), None
 
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["text"]["layers"], jnp.arange(t.n_layers)))
+    (x, kv), _ = jax.lax.scan(scanned, (x, kv), (layers, jnp.arange(t.n_layers)))
     return x, kv
 
 
@@ -299,14 +340,15 @@ def generate_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], 
     return out
 
 
-def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend):
+def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend,
+                   matmul=None):
     """`text_forward` as the engine runs it (models/protocol.py): a negative token -(1 + i) is row i of the image
     cache `params["image_cache"]` ([slots, 729, D] flattened; written by `encode_into_cache`), so an image prefix
     rides in an ordinary prefill chunk."""
     img = tokens < 0
     cache = params["image_cache"].reshape(-1, cfg.text.dim)
     embeds = cache[jnp.where(img, -tokens - 1, 0)]
-    return text_forward(params, cfg, jnp.where(img, 0, tokens), positions, kv, attend, embeds, img)
+    return text_forward(params, cfg, jnp.where(img, 0, tokens), positions, kv, attend, embeds, img, matmul)
 
 
 def encode_into_cache(params: Params, cfg: MoondreamConfig, slot: jax.Array, crops: jax.Array, pool_rows: jax.Array,

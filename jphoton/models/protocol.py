@@ -122,13 +122,17 @@ def rebuild(config: ModelConfig, params, recipe: dict, tp=None, forward_cfg: Mod
 
 
 def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, name: str = "",
-                     image_slots: int = 32) -> JaxModel:
+                     image_slots: int = 32, matmul: str = "auto", unroll_layers: bool = False) -> JaxModel:
     """Moondream 2 (models/moondream.py) for the engine: its text decoder as forward / logits, its vision encoder as
     `Vision`; `image_slots` images' embeddings stay on the device (the image cache: a repeated image skips the
-    encoder)."""
+    encoder). matmul: the text layers' weight products (models/matmul.py; its kind or a hook); unroll_layers: the
+    text layers unrolled over per-layer params (`moondream.serving_layout`)."""
     t, v = config.text, config.vision
     dtype = params["text"]["embed"].dtype
     params = {**params, "image_cache": jnp.zeros((image_slots, v.grid ** 2, t.dim), dtype)}
+    if unroll_layers:
+        params = moondream.serving_layout(params)
+    mm = matmul_hook.make(matmul)
     mc = ModelConfig(architecture="custom", vocab_size=t.vocab_size, hidden_size=t.dim, intermediate_size=t.ff_dim,
                      num_layers=t.n_layers, num_heads=t.n_heads, num_kv_heads=t.n_heads, head_dim=t.head_dim,
                      max_position_embeddings=t.max_context, bos_token_id=config.bos_id,
@@ -136,7 +140,7 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
     buckets = tuple(sorted({b for b in (2, 5, 9, v.max_crops + 1) if b <= v.max_crops + 1}))
 
     def forward(params, tokens, positions, kv, attend):
-        return moondream.engine_forward(params, config, tokens, positions, kv, attend)
+        return moondream.engine_forward(params, config, tokens, positions, kv, attend, mm)
 
     def logits(params, hidden):
         return moondream.text_logits(params, config, hidden)
@@ -148,4 +152,4 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
                     max_crops=v.max_crops, encode=encode)
     return JaxModel(mc, params, forward, logits, tokenizer=tokenizer, name=name or config.name, vision=vision,
-                    decode_banned_tokens=(config.answer_id,))
+                    decode_banned_tokens=(config.answer_id,), min_decode_rows=mm.min_rows)

@@ -1,0 +1,240 @@
+"""Moondream 2 served by jphoton, measured as benchmarks/kestrel.sh measures Photon's engine (kestrel) on the same
+checkpoint file: one JSON line a measurement (also appended to --out), the same names, prompts and token counts.
+
+    python3 benchmarks/moondream.py --model CKPT_DIR --out $OUT/moondream_jphoton.jsonl
+    python3 benchmarks/moondream.py --model random:moondream2 --only decode --variants xla xla-plain
+
+Rows: start-up (process start -> `LLM()` returned, and -> every step shape compiled), first token of one 128-token
+text query (p50 of 5), decode at batch 1 (256 tokens, p50 of 3), output tokens/s with 32 and 64 concurrent text queries
+(128 in, 256 out, 2 reps), an image query (a random 378x378 JPEG + 8-word question, 32 tokens: 3 cold images, the
+first a warm-up, then one repeated: a prefix-cache hit) and a caption; every answer runs to max_tokens (ignore_eos).
+The text prompts are kestrel's: random words `w<id>` of the checkpoint's word-level tokenizer (one id each).
+--variants: decode at batch 1 and device step times for other `matmul` kinds (each a fresh engine in this process).
+--smoke: a tiny random checkpoint on the CPU with few tokens (tests/test_benchmarks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+T0 = time.time()
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+
+def emit(out_file, **rec):
+    rec.setdefault("t_s", round(time.time() - T0, 3))
+    line = json.dumps(rec, default=str)
+    print(line, flush=True)
+    if out_file:
+        with open(out_file, "a") as f:
+            f.write(line + "\n")
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (from /proc: the interpreter's start-up counts, as in kestrel's row)."""
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    start = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return float(open("/proc/uptime").read().split()[0]) - start
+
+
+def words(n: int, rng: random.Random) -> str:
+    return " ".join(f"w{rng.randrange(1000, 51000)}" for _ in range(n))
+
+
+def jpeg(seed: int, size: int = 378) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(arr).save(b, format="JPEG", quality=90)
+    return b.getvalue()
+
+
+QUERY_TEMPLATE_TOKENS = 6  # BOS + the query prefix (3) + the suffix twice
+
+
+def timed_stream(llm, skill: str, image, text: str, params) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds to the end, tokens) of one streamed request, from its submission (the
+    image's decode and crops included)."""
+    t = time.perf_counter()
+    first, n = None, 0
+    stream = llm.query(image, text, params, stream=True) if skill == "query" else \
+        llm.caption(image, text, params, stream=True)
+    for delta in stream:
+        if delta.token_ids and first is None:
+            first = time.perf_counter() - t
+        n += len(delta.token_ids)
+    return first, time.perf_counter() - t, n
+
+
+def concurrent_text(llm, n: int, prompt_words: int, out_tokens: int, rng: random.Random) -> dict:
+    """n text queries submitted at once, run to the end by the engine loop in this thread: output tokens/s."""
+    from jphoton import SamplingParams
+
+    params = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
+    seqs = [llm.prepare_skill("query", None, words(prompt_words, rng), params) for _ in range(n)]
+    first: dict[int, float] = {}
+    t = time.perf_counter()
+    for s in seqs:
+        llm.add_request(s)
+    out = 0
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            out += len(o.delta.token_ids)
+            if o.delta.token_ids and o.request_id not in first:
+                first[o.request_id] = time.perf_counter() - t
+    wall = time.perf_counter() - t
+    return {"concurrency": n, "out_tokens_total": out, "wall_s": round(wall, 3), "out_tok_per_s": round(out / wall, 1),
+            "ttft_ms_p50": round(1e3 * statistics.median(first.values()), 2)}
+
+
+def measure(llm, args, out_file, rng: random.Random, tag: str) -> None:
+    from jphoton import SamplingParams
+
+    q_words = max(1, args.prompt_tokens - QUERY_TEMPLATE_TOKENS)
+    greedy = dict(temperature=0, ignore_eos=True)
+    if "ttft" in args.only:
+        runs = [timed_stream(llm, "query", None, words(q_words, rng), SamplingParams(max_tokens=8, **greedy))
+                for _ in range(6)][1:]
+        emit(out_file, m="ttft_text_1req", engine=tag, prompt_tokens=q_words + QUERY_TEMPLATE_TOKENS,
+             wall_first_token_ms_p50=round(1e3 * statistics.median(r[0] for r in runs), 2),
+             wall_first_token_ms_min=round(1e3 * min(r[0] for r in runs), 2))
+    if "decode" in args.only:
+        runs = [timed_stream(llm, "query", None, words(q_words, rng), SamplingParams(max_tokens=args.out_tokens,
+                                                                                       **greedy)) for _ in range(3)]
+        per_tok = [1e3 * (wall - first) / max(1, n - 1) for first, wall, n in runs]
+        emit(out_file, m="decode_b1", engine=tag, out_tokens=args.out_tokens,
+             ms_per_token_p50=round(statistics.median(per_tok), 3), runs=[round(x, 3) for x in per_tok],
+             device_step_ms={b: round(llm.device_step_ms(b), 3) for b in args.step_rows})
+    if "throughput" in args.only:
+        for n in args.concurrency:
+            for rep in range(args.reps):
+                emit(out_file, m="throughput_text", engine=tag, rep=rep, prompt_tokens=q_words + QUERY_TEMPLATE_TOKENS,
+                     **concurrent_text(llm, n, q_words, args.out_tokens, rng))
+    if "image" in args.only and llm.model.vision is not None:
+        params = SamplingParams(max_tokens=args.image_tokens, **greedy)
+        rows = []
+        for seed in (1, 2, 3, 3):  # the first a warm-up, two cold images, then the last one again (cached)
+            first, wall, n = timed_stream(llm, "query", jpeg(seed, args.image_size), words(8, rng), params)
+            rows.append({"image_seed": seed, "ttft_ms": round(1e3 * first, 2), "wall_ms": round(1e3 * wall, 2),
+                         "tokens": n})
+        cold = rows[1:3]
+        stats = llm.stats()
+        emit(out_file, m="image_query", engine=tag, size=f"{args.image_size}x{args.image_size}",
+             max_tokens=args.image_tokens, prompt_positions=1 + llm.model.vision.embed_rows + 3 + 8 + 2,
+             wall_ms_cold_p50=statistics.median(r["wall_ms"] for r in cold),
+             ttft_ms_cold_p50=statistics.median(r["ttft_ms"] for r in cold), repeat_image=rows[3], first_call=rows[0],
+             runs=cold, image_cache_hits=stats.get("image_cache_hits"), prefix_hit_tokens=stats["prefix_hit_tokens"])
+        first, wall, n = timed_stream(llm, "caption", jpeg(3, args.image_size), "short",
+                                      SamplingParams(max_tokens=args.image_tokens, **greedy))
+        emit(out_file, m="caption", engine=tag, length="short", ttft_ms=round(1e3 * first, 2),
+             wall_ms=round(1e3 * wall, 2), tokens=n)
+
+
+def variant_llm(model: str, options: dict):
+    """LLM(model, **options); `"matmul": "gemv"` builds the model with every text-layer product of <= 32 rows
+    through the Pallas GEMV (a variant hook, models/matmul.py's base)."""
+    from jphoton import LLM
+
+    if options.get("matmul") != "gemv":
+        return LLM(model, **options)
+    import jax
+
+    from jphoton.models import matmul
+    from jphoton.models.protocol import moondream_family
+    from jphoton.weights import moondream as moondream_weights
+
+    class GemvMatmul(matmul.XlaMatmul):
+        def __call__(self, x, w, stacked=None, layer=None):
+            if stacked is not None and matmul._rows(x) <= matmul.PALLAS_MAX_ROWS:
+                return matmul._gemv_rows(x, stacked, layer)
+            return super().__call__(x, w)
+
+    options = {k: v for k, v in options.items() if k != "matmul"}
+    cfg, params, tok, name = moondream_weights.load(model, options.get("dtype") or (
+        "float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    return LLM(moondream_family(cfg, params, tok, name, matmul=GemvMatmul(), unroll_layers=True), **options)
+
+
+def tiny_checkpoint() -> str:
+    """A small random Moondream 2 checkpoint in the official layout (the CPU smoke test)."""
+    from jphoton.models.moondream import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
+    from jphoton.weights.moondream import write_random_checkpoint
+
+    cfg = MoondreamConfig(text=TextConfig(dim=128, ff_dim=256, n_layers=2, n_heads=2),
+                          vision=VisionConfig(enc_dim=144, ff_dim=288, n_layers=2, n_heads=2, proj_inner_dim=256),
+                          region=RegionConfig(inner_dim=256))
+    d = tempfile.mkdtemp(prefix="jphoton-moondream-")
+    write_random_checkpoint(d, cfg, seed=0)
+    return d
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:moondream2")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--out-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--image-size", type=int, default=378)
+    ap.add_argument("--image-tokens", type=int, default=32)
+    ap.add_argument("--step-rows", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--only", nargs="+", default=["ttft", "decode", "throughput", "image"])
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help='engines with other options, as JSON (e.g. \'{"matmul": "xla-plain"}\'): decode rows only')
+    ap.add_argument("--options", default="{}", help="LLM(...) keywords as JSON (default: none, as a user starts it)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    options = json.loads(args.options)
+    if args.smoke:
+        args.model = tiny_checkpoint()
+        args.prompt_tokens, args.out_tokens, args.image_tokens, args.reps = 16, 6, 4, 1
+        args.concurrency, args.step_rows, args.image_size = [4], [1], 200
+        options = {"max_num_seqs": 4, "max_num_batched_tokens": 1024, "dtype": "float32", "warmup": "off",
+                   **options}
+
+    import jax
+
+    from benchmarks.common import device_info
+    from jphoton import LLM
+
+    emit(args.out, m="env", import_s=round(time.time() - T0, 2), model=args.model, options=options, **device_info())
+    t = time.perf_counter()
+    llm = LLM(args.model, **options)
+    t_llm = time.perf_counter() - t
+    age = process_age_s()
+    llm.wait_until_ready()
+    emit(args.out, m="startup", engine="jphoton", since_process_start_s=round(age, 2), llm_s=round(t_llm, 2),
+         all_shapes_ready_since_start_s=round(process_age_s(), 2), num_compiles=llm.stats()["num_compiles"],
+         config={k: str(v) for k, v in vars(llm.engine_config).items() if k in ("max_num_seqs", "buckets",
+                                                                               "max_num_batched_tokens", "kernels")},
+         gpu_mem_gib=round((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2))
+    rng = random.Random(1234)
+    at_ready = llm.stats()["num_compiles"]
+    measure(llm, args, args.out, rng, "jphoton")
+    stats = llm.stats()
+    emit(args.out, m="serving", engine="jphoton", compiles_while_serving=stats["num_compiles"] - at_ready,
+         kv_pages_leaked=stats["kv_pages_total"] - stats["kv_pages_free"] - stats["kv_pages_evictable"])
+    for spec in args.variants:
+        del llm
+        gc.collect()
+        llm = variant_llm(args.model, {**options, **json.loads(spec)})
+        llm.wait_until_ready()
+        measure(llm, argparse.Namespace(**{**vars(args), "only": ["decode"]}), args.out, rng, f"jphoton {spec}")
+    emit(args.out, m="done", total_s=round(time.time() - T0, 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
