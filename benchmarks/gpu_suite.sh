@@ -38,6 +38,20 @@ for section in "$@"; do
       # at batch 1 with the text layers' products as plain XLA dots (scanned) and all through the Pallas GEMV
       run moondream python3 benchmarks/moondream.py --model random:moondream2 --out "$OUT/moondream.jsonl" \
         --variants '{"matmul": "xla-plain", "unroll_layers": false}' '{"matmul": "gemv"}' ;;
+    moondream-vs-kestrel)  # jphoton and Photon's engine (kestrel 0.9.2) on one random Moondream 2 checkpoint file
+      # (bf16), one after the other: kestrel's own rows (../shared/kestrel: its kit copied to .kestrel/, git-ignored;
+      # its wheels stashed on the held machine by `bash .kestrel/run_on_device.sh recv` calls, one part each) and
+      # jphoton's (benchmarks/moondream.py); the table: `python3 benchmarks/moondream.py --report DIR`
+      K=.kestrel CK=/tmp/kck
+      [ -f "$CK/model.safetensors" ] || python3 $K/make_random_checkpoint.py "$CK" | tee "$OUT/checkpoint.log"
+      if [ ! -d /tmp/ksite/kestrel ]; then
+        cat /tmp/kw/kw.tar.part* > /tmp/kw.tar && mkdir -p /tmp/kwhl && tar -C /tmp/kwhl -xf /tmp/kw.tar && rm /tmp/kw.tar
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ksite /tmp/kwhl/*.whl
+      fi
+      run moondream-jphoton python3 benchmarks/moondream.py --model "$CK" --out "$OUT/moondream_jphoton.jsonl"
+      run moondream-kestrel env PYTHONPATH=/tmp/ksite python3 $K/bench_kestrel.py --ckpt "$CK" --max-batch 64 \
+        --concurrency 32,64 --prompt-tokens 128 --out-tokens 256 --budget-s 300 --out "$OUT/moondream_kestrel.jsonl"
+      python3 benchmarks/moondream.py --report "$OUT" | tee "$OUT/moondream_vs_kestrel.md" ;;
     startup)  # time to first token of a fresh process, default LLM(), cold then warm caches, three model shapes
       run startup python3 benchmarks/startup.py --models random:smollm2-135m random:llama3.2-1b \
         random:qwen3-30b-a3b:layers=8 --out "$OUT/startup.json" ;;

@@ -167,6 +167,64 @@ def variant_llm(model: str, options: dict):
     return LLM(moondream_family(cfg, params, tok, name, matmul=GemvMatmul(), unroll_layers=True), **options)
 
 
+def report(folder: str) -> str:
+    """The side-by-side table of moondream_jphoton.jsonl and moondream_kestrel.jsonl in `folder` (markdown): each row
+    jphoton, kestrel, their ratio and issue 62's target where it sets one."""
+    def rows(name):
+        out = {}
+        path = os.path.join(folder, name)
+        for line in open(path) if os.path.exists(path) else []:
+            rec = json.loads(line)
+            if rec.get("engine", "jphoton") != "jphoton" and name.endswith("jphoton.jsonl"):
+                rec["m"] = f"{rec['m']} {rec['engine']}"
+            out.setdefault(rec["m"], []).append(rec)
+        return out
+
+    j, k = rows("moondream_jphoton.jsonl"), rows("moondream_kestrel.jsonl")
+
+    def get(recs, m, *path, pick=max, where=None):
+        vals = []
+        for rec in recs.get(m, []):
+            if where and any(rec.get(a) != b for a, b in where.items()):
+                continue
+            for p in path:
+                rec = rec.get(p) if isinstance(rec, dict) else None
+            if isinstance(rec, (int, float)):
+                vals.append(rec)
+        return pick(vals) if vals else None
+
+    table = [  # (row, m, path, lower is better, target ratio jphoton / kestrel, pick over reps)
+        ("start -> engine ready, s (jphoton: `LLM()` returned)", "startup", ("since_process_start_s",), True, 1.0),
+        ("text query, 128 tokens: first token, ms (p50)", "ttft_text_1req", ("wall_first_token_ms_p50",), True, None),
+        ("decode at batch 1, ms/token (p50)", "decode_b1", ("ms_per_token_p50",), True, 0.8),
+        ("32 concurrent text queries, output tok/s (best of 2)", "throughput_text", ("out_tok_per_s",), False, None,
+         {"concurrency": 32}),
+        ("64 concurrent text queries, output tok/s (best of 2)", "throughput_text", ("out_tok_per_s",), False, 1.3,
+         {"concurrency": 64}),
+        ("image query 378x378 + 8 words, 32 tokens: wall, ms", "image_query", ("wall_ms_cold_p50",), True, 0.8),
+        ("image query: first token, ms", "image_query", ("ttft_ms_cold_p50",), True, 1.0),
+        ("same image again (prefix cache): wall, ms", "image_query", ("repeat_image", "wall_ms"), True, None),
+    ]
+    lines = ["| row | jphoton | kestrel 0.9.2 | jphoton / kestrel | target | met |", "|---|---|---|---|---|---|"]
+    for row, m, path, lower, target, *where in table:
+        where = where[0] if where else None
+        pick = min if lower else max
+        a, b = get(j, m, *path, pick=pick, where=where), get(k, m, *path, pick=pick, where=where)
+        ratio = a / b if a is not None and b else None
+        met = "" if ratio is None or target is None else (
+            "yes" if (ratio <= target if lower else ratio >= target) else "no")
+        tgt = "" if target is None else f"{'<=' if lower else '>='} {target}x"
+        a, b = (round(v, 2) if v is not None else "-" for v in (a, b))
+        lines.append(f"| {row} | {a} | {b} | "
+                     f"{f'{ratio:.3f}' if ratio is not None else '-'} | {tgt} | {met} |")
+    ready = get(j, "startup", "all_shapes_ready_since_start_s")
+    cap_j, cap_k = get(j, "caption", "wall_ms"), get(k, "image_skills", "caption", "wall_ms")
+    lines.append(f"\njphoton every step shape compiled: {ready} s after start; caption (short, 32 tokens, cached image): "
+                 f"jphoton {cap_j} ms, kestrel {cap_k} ms; compiles while serving: "
+                 f"{get(j, 'serving', 'compiles_while_serving')}")
+    return "\n".join(lines)
+
+
 def tiny_checkpoint() -> str:
     """A small random Moondream 2 checkpoint in the official layout (the CPU smoke test)."""
     from jphoton.models.moondream import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
@@ -196,7 +254,11 @@ def main(argv=None) -> int:
                     help='engines with other options, as JSON (e.g. \'{"matmul": "xla-plain"}\'): decode rows only')
     ap.add_argument("--options", default="{}", help="LLM(...) keywords as JSON (default: none, as a user starts it)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--report", metavar="DIR", help="print the jphoton / kestrel table of DIR's JSON lines and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     options = json.loads(args.options)
     if args.smoke:
         args.model = tiny_checkpoint()
