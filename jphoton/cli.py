@@ -203,10 +203,14 @@ def _cmd_skill(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))  # bad values fail before loading
+    from jphoton.engine.config import Limits
+    from jphoton.image import load_image
+
     try:
-        image = pathlib.Path(args.image).read_bytes()  # (the file's bytes: decoded, checked and cropped by the LLM)
+        image = pathlib.Path(args.image).read_bytes()  # (the LLM decodes, checks and crops the file's bytes)
     except OSError as e:
         raise ValueError(f"cannot read {args.image}: {e.strerror}") from None
+    load_image(image, max_image_pixels=Limits().max_image_pixels)  # a bad image fails now, not after the model loads
     llm = build_llm(args.model, dtype=args.dtype, progress=True, warmup="off")
     text = args.question if args.command == "query" else args.length
     t0 = time.perf_counter()

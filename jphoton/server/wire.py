@@ -249,7 +249,7 @@ def _shadow_error(shadow, size: int, bounds: RequestBounds) -> str | None:
     if len(shadow.image) > bounds.max_image_bytes:
         if not bounds.max_image_bytes:
             return "this model takes no images (image, skill and length are for a Moondream checkpoint)"
-        return f"image is {len(shadow.image)} bytes; this server accepts at most {bounds.max_image_bytes} (max_image_bytes)"
+        return f"image: {len(shadow.image)} bytes, more than max_image_bytes={bounds.max_image_bytes}"
     if inputs == ["text"] and bounds.text_limits:
         error = text_size_error(len(shadow.text), **bounds.text_limits)  # UTF-8 bytes: the engine's measure
         if error:
