@@ -221,6 +221,7 @@ def test_async_llm_refuses_bad_images_and_streams_good_ones(llm, decode_threads)
     png = _encode(Image.fromarray(PICTURE), "PNG")
     want_query = llm.query(png, "w17", GREEDY).token_ids
     want_caption = llm.caption(png, "short", GREEDY).token_ids
+    want_text_only = llm.query(None, "w17", GREEDY).token_ids
     decode_threads.clear()
 
     async def run():
@@ -234,8 +235,9 @@ def test_async_llm_refuses_bad_images_and_streams_good_ones(llm, decode_threads)
             with pytest.raises(ValueError, match="caption: length must be one of"):
                 [out async for out in engine.caption(png, "huge", GREEDY)]
             # concurrent streams, each its own answer; a stream left early is aborted
-            query, caption = await asyncio.gather(_tokens(engine.query(png, "w17", GREEDY)),
-                                                  _tokens(engine.caption(png, "short", GREEDY)))
+            answers = await asyncio.gather(_tokens(engine.query(png, "w17", GREEDY)),
+                                           _tokens(engine.caption(png, "short", GREEDY)),
+                                           _tokens(engine.query(None, "w17", GREEDY)))
             long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
             async for out in engine.query(png, "w17", long):
                 assert out.delta.token_ids and out.delta.finish_reason is None
@@ -245,12 +247,12 @@ def test_async_llm_refuses_bad_images_and_streams_good_ones(llm, decode_threads)
             await _tokens(engine.query(expected, "w6", GREEDY))
             before = _hits(llm.stats())
             await _tokens(engine.query(data, "w6", GREEDY))
-            return query, caption, _hits(llm.stats()) - before
+            return answers, _hits(llm.stats()) - before
         finally:
             engine.shutdown()
 
-    query, caption, hits = asyncio.run(run())
-    assert (query, caption) == (want_query, want_caption)
+    answers, hits = asyncio.run(run())
+    assert answers == [want_query, want_caption, want_text_only]
     assert hits >= TINY.prefix_len // 16 * 16  # the EXIF-rotated file became the rotated array
     _idle(llm)
     assert decode_threads and all(n.startswith("jphoton-prepare") for n in decode_threads), decode_threads
@@ -316,6 +318,9 @@ def test_grpc_refuses_bad_images_and_misused_fields_invalid_argument(served, llm
     msgs = list(stub.Generate(_request(PNG_BYTES, text="", skill="caption", length="short"), timeout=60))
     assert [t for m in msgs for t in m.token_ids] == llm.caption(PNG_BYTES, "short", GREEDY).token_ids
     assert msgs[-1].finish_reason == "length" and msgs[-1].usage.prompt_tokens > TINY.prefix_len
+    msgs = list(stub.Generate(_request(b"", text="w17"), timeout=60))  # no image: a text-only query
+    assert [t for m in msgs for t in m.token_ids] == llm.query(None, "w17", GREEDY).token_ids
+    assert msgs[-1].usage.prompt_tokens < TINY.prefix_len
 
 
 def test_grpc_applies_the_documented_conversions(served):
