@@ -1,5 +1,6 @@
 """Moondream's skills as prompts (host side, no jax): an image made ready for the vision step (`prepare`) and the
-token ids of a query or a caption (`skill_prompt`), per the templates of the 2025-06 release.
+token ids of a query or a caption (`skill_prompt`), per the templates of the 2025-06 release; the reference's sampling
+settings (`DEFAULTS`) and the crop geometry a process without the model prepares images with (`CropGeometry`).
 
 Prompt layout (the reference implementation's): with an image, BOS, one placeholder position per image embedding (the
 image run, which starts at 1), then the template; a query's template is prefix + question + suffix + suffix (the
@@ -47,8 +48,7 @@ def prepare(image, vision, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
             max_image_bytes: int | None = None) -> ImageInput:
     """Decode (jphoton/image/decode.py: bytes, PIL or numpy; ValueError "image: ..." for bad input, encoded bytes over
     `max_image_bytes` too), crop and compute the pooling weights of one image for `vision` (models/protocol.py Vision,
-    or its CropGeometry). CPU work of ~10-50 ms: run it on the
-    caller's thread or a worker, never on the engine's."""
+    or its CropGeometry). CPU work of ~10-50 ms: run it on the caller's thread or a worker, never on the engine's."""
     if isinstance(image, ImageInput):
         return image
     if max_image_bytes is not None and isinstance(image, (bytes, bytearray, memoryview)):
