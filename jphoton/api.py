@@ -49,7 +49,7 @@ from jphoton.weights.store import cache_dir
 log = logging.getLogger("jphoton")
 
 Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
-SKILL_DEFAULTS = SamplingParams(max_tokens=768, temperature=0.5, top_p=0.3)  # Moondream's reference settings
+SKILL_DEFAULTS = skill_prep.DEFAULTS  # Moondream's reference settings
 Message = dict  # {"role": ..., "content": ...}
 
 
@@ -225,8 +225,9 @@ class LLM:
         vision = self.model.vision
         if vision is None:
             raise ValueError(f"{skill}: model {self.model.name!r} takes no images (a Moondream checkpoint does)")
-        prepared = None if image is None else skill_prep.prepare(
-            image, vision, self.engine_config.limits.max_image_pixels)
+        limits = self.engine_config.limits
+        prepared = None if image is None else skill_prep.prepare(image, vision, limits.max_image_pixels,
+                                                                 limits.max_image_bytes)
         if skill == "query":
             if not isinstance(text, str):
                 raise ValueError(f"query: the question must be a string, got {type(text).__name__}")

@@ -1,9 +1,10 @@
 """AsyncLLM: the engine loop (engine/driver.py) on a thread of its own, driven by many concurrent asyncio callers.
 
 `submit` hands a request to the engine thread at once; the driver prepares it (validated, tokenized, its constraint
-compiled: `LLM.prepare_request`) inline when quick, else on worker threads, never on the caller's event loop: a huge
-prompt or grammar delays only itself. Bad input comes back as the request's first output, `Rejected` (`generate`
-raises it as ValueError); nothing is queued. Outputs go back to each caller's event loop.
+compiled: `LLM.prepare_request`; an image skill's image decoded and cropped: `LLM.prepare_skill`) inline when quick,
+else on worker threads, never on the caller's event loop: a huge prompt, grammar or image delays only itself. Bad
+input comes back as the request's first output, `Rejected` (`generate`, `query`, `caption` raise it as ValueError);
+nothing is queued. Outputs go back to each caller's event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 import jax
 
 from jphoton.api import LLM, Prompt
-from jphoton.engine.driver import ChatPrompt
+from jphoton.engine.driver import ChatPrompt, SkillPrompt
 from jphoton.params import SamplingParams
 from jphoton.sequence import RequestOutput
 
@@ -80,6 +81,17 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def query(self, image, question: str, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """`generate` for a question about an image (what `LLM.query` takes; None: a text-only query); the image is
+        decoded and cropped on a preparation thread. Bad input (an image that does not decode, a model that takes no
+        images) raises ValueError at the first iteration; nothing is queued. params default as LLM.query's."""
+        return self.generate(SkillPrompt("query", image, question), params)
+
+    def caption(self, image, length: str = "normal", params: SamplingParams | None = None
+                ) -> AsyncIterator[RequestOutput]:
+        """`generate` for a caption of an image: length "short", "normal" or "long" (as `query`)."""
+        return self.generate(SkillPrompt("caption", image, length), params)
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))

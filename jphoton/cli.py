@@ -1,4 +1,5 @@
-"""`jphoton` command line: generate, convert, serve. Text goes to stdout as it is produced; logs and progress to stderr."""
+"""`jphoton` command line: generate, query and caption (an image model), convert, serve. Text goes to stdout as it is
+produced; logs and progress to stderr."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ _LIMIT_FLAGS = {
     "max_choices": "most options of a choice (each is scored as a sequence)",
     "max_choice_tokens": "most tokens of a choice's options together (each option's tokens + 1)",
     "max_stop_token_ids": "most stop_token_ids per request",
+    "max_image_pixels": "most pixels of an image (read from its header, before it is decoded)",
+    "max_image_bytes": "largest encoded image (bytes)",
 }
 
 
@@ -194,6 +197,34 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_skill(args) -> int:
+    """`jphoton query IMAGE QUESTION` / `jphoton caption IMAGE`: one answer about an image, streamed."""
+    from jphoton.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))  # bad values fail before loading
+    from jphoton.engine.config import Limits
+    from jphoton.image import load_image
+
+    try:
+        image = pathlib.Path(args.image).read_bytes()  # (the LLM decodes, checks and crops the file's bytes)
+    except OSError as e:
+        raise ValueError(f"cannot read {args.image}: {e.strerror}") from None
+    load_image(image, max_image_pixels=Limits().max_image_pixels)  # a bad image fails now, not after the model loads
+    llm = build_llm(args.model, dtype=args.dtype, progress=True, warmup="off")
+    text = args.question if args.command == "query" else args.length
+    t0 = time.perf_counter()
+    n, reason = 0, None
+    with getattr(llm, args.command)(image, text, params, stream=True) as stream:
+        for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            n, reason = n + len(delta.token_ids), delta.finish_reason or reason
+    sys.stdout.write("\n")
+    print(f"jphoton: {n} tokens in {time.perf_counter() - t0:.2f} s; finish_reason={reason}", file=sys.stderr)
+    return 0
+
+
 def _cmd_convert(args) -> int:
     from jphoton.weights import load_model
     from jphoton.weights.store import check_store_dest, save_store
@@ -297,6 +328,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE models: warp-decode Pallas kernels, grouped-GEMM expert-centric, or auto by step size")
     _add_lora_args(g, serve=False)
     g.set_defaults(func=_cmd_generate)
+
+    from jphoton.image.skills import CAPTION_LENGTHS
+    from jphoton.image.skills import DEFAULTS as SKILL_DEFAULTS
+
+    for name, help_text in (("query", "answer a question about an image (a Moondream checkpoint), streamed to stdout"),
+                            ("caption", "describe an image (a Moondream checkpoint), streamed to stdout")):
+        q = sub.add_parser(name, help=help_text, **show_defaults)
+        q.add_argument("image", help="an image file: JPEG, PNG, WebP or GIF")
+        if name == "query":
+            q.add_argument("question")
+        else:
+            q.add_argument("--length", default="normal", choices=CAPTION_LENGTHS)
+        _add_model_args(q)
+        q.add_argument("--max-tokens", type=int, default=SKILL_DEFAULTS.max_tokens)
+        q.add_argument("--temperature", type=float, default=SKILL_DEFAULTS.temperature, help="0 = greedy")
+        q.add_argument("--top-p", type=float, default=SKILL_DEFAULTS.top_p)
+        q.add_argument("--top-k", type=int, default=SKILL_DEFAULTS.top_k, help="0 = off")
+        q.add_argument("--seed", type=int, default=None)
+        q.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop before this text (repeat the flag for several)")
+        q.set_defaults(func=_cmd_skill)
 
     c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading",
                        **show_defaults)

@@ -54,6 +54,7 @@ class Limits:
     max_stop_token_ids: int = 1024  # stop_token_ids per request (a set the commit checks every token against)
     # an image's pixels, checked from its header before it is decoded (jphoton/image/decode.py; a decompression bomb)
     max_image_pixels: int = 50_000_000
+    max_image_bytes: int = 16 * 2**20  # an encoded image (bytes): checked before it is opened (gRPC: before parsing)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -2,11 +2,12 @@
 the server's engine process behind its pipes (jphoton/server/engine_loop.py). Same admission, same tick, same idle
 work, so a request takes the same path to its first token whichever way it came.
 
-A pass of the driving thread: requests that arrived are prepared (validated, tokenized, constraint compiled) inline
-when quick (`quick_to_prepare`, up to INLINE_BUDGET_S of the pass), else on worker threads (`Preparer`) whose results
-are admitted at the next pass; aborts are applied; adapters read on threads are installed (one that finds every slot
-taken while one drains is retried each pass for LORA_WAIT_S); then one engine tick, whose outputs go to `deliver`. An
-idle pass runs one compiled program's first execution (`LLM.run_programs_once`), which no request then pays.
+A pass of the driving thread: requests that arrived are prepared (validated, tokenized, constraint compiled, image
+decoded and cropped) inline when quick (`quick_to_prepare`, up to INLINE_BUDGET_S of the pass), else on worker threads
+(`Preparer`) whose results are admitted at the next pass; aborts are applied; adapters read on threads are installed
+(one that finds every slot taken while one drains is retried each pass for LORA_WAIT_S); then one engine tick, whose
+outputs go to `deliver`. An idle pass runs one compiled program's first execution (`LLM.run_programs_once`), which no
+request then pays.
 Invariant: only the driving thread calls the driver's methods (other threads reach it through their entry point's
 queue or pipe, and wake it); a request is known by the caller's key, mapped to its engine request id here.
 """
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jphoton.engine.images import ImageInput
 from jphoton.engine.loras import NoFreeLoraSlot
 from jphoton.params import SamplingParams
 from jphoton.sequence import RequestOutput
@@ -42,8 +44,21 @@ class ChatPrompt:
     messages: list
 
 
+@dataclasses.dataclass(frozen=True)
+class SkillPrompt:
+    """An image skill as a prompt for `Driver.add`: `LLM.prepare_skill(skill, image, text)` when it is prepared
+    (skill "query": text is the question; "caption": text is the length). image: what `LLM.query` takes, or an
+    ImageInput already decoded and cropped (the server's frontends do that), or None (a text-only query)."""
+
+    skill: str
+    image: object
+    text: str
+
+
 def prepare(llm, prompt, params: SamplingParams | None, request_id: int | None = None):
-    """`llm.prepare_request` for any prompt the driver takes (ChatPrompt included)."""
+    """`llm.prepare_request` for any prompt the driver takes (ChatPrompt and SkillPrompt included)."""
+    if isinstance(prompt, SkillPrompt):
+        return llm.prepare_skill(prompt.skill, prompt.image, prompt.text, params, request_id=request_id)
     if isinstance(prompt, ChatPrompt):
         prompt = {"prompt_token_ids": llm.encode_chat(prompt.messages)}
     return llm.prepare_request(prompt, params, request_id=request_id)
@@ -55,6 +70,8 @@ def quick_to_prepare(prompt, params: SamplingParams | None) -> bool:
     result waits for the next pass (~1 step of TTFT)."""
     if params is not None and params.constraint is not None:
         return False
+    if isinstance(prompt, SkillPrompt):  # an image still to decode and crop (10-50 ms) never is
+        return (prompt.image is None or isinstance(prompt.image, ImageInput)) and quick_to_prepare(prompt.text, None)
     if isinstance(prompt, str):
         return len(prompt) <= INLINE_MAX_CHARS
     if isinstance(prompt, dict):  # {"prompt_token_ids": [...]}: checked, never tokenized

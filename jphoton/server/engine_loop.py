@@ -22,6 +22,7 @@ from typing import Any
 
 from jphoton.async_llm import model_info, start_serving
 from jphoton.engine.loras import NoFreeLoraSlot
+from jphoton.image.skills import CropGeometry
 from jphoton.sequence import RequestOutput
 
 log = logging.getLogger("jphoton.server")
@@ -56,8 +57,11 @@ def lora_error(llm, e: BaseException) -> LoraError:
 
 def request_limits(llm) -> dict:
     """What the gRPC frontend checks a request against before it parses the request in full (jphoton/server/service.py
-    RequestBounds): LLM.text_limits() (max_prompt_bytes, bytes_per_token, max_model_len) and EngineConfig.limits."""
-    return {**llm.text_limits(), **dataclasses.asdict(llm.engine_config.limits)}
+    RequestBounds): LLM.text_limits() (max_prompt_bytes, bytes_per_token, max_model_len) and EngineConfig.limits; and
+    "image_geometry", the CropGeometry a frontend prepares images with (None: the model takes no images)."""
+    vision = llm.model.vision
+    return {**llm.text_limits(), **dataclasses.asdict(llm.engine_config.limits),
+            "image_geometry": None if vision is None else CropGeometry.of(vision)}
 
 
 def _stop_building(signum, frame) -> None:

@@ -6,11 +6,15 @@ input of any kind, with nothing queued; ALREADY_EXISTS for a live request_id; RE
 no free LoRA slot; FAILED_PRECONDITION for LoRA off; UNAVAILABLE while loading, stopping or once the engine is gone
 (every later call too); ABORTED after the tokens a request produced before it failed mid-flight; INTERNAL for a server
 bug, never a user error. All handlers run on the server's event loop, so the bookkeeping below needs no locks.
+An image skill's image is decoded and cropped here, on worker threads (a bad one is refused before the engine hears of
+it); only its crops go on to the engine (in a child process: through the pipe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import secrets
 import time
@@ -18,7 +22,9 @@ import time
 import grpc
 
 from jphoton.async_llm import AsyncLLM
-from jphoton.params import SamplingParams
+from jphoton.engine.driver import PREPARE_THREADS, SkillPrompt
+from jphoton.image import skills
+from jphoton.params import SamplingParams, short
 from jphoton.server import jphoton_pb2 as pb
 from jphoton.server.engine_loop import request_limits
 from jphoton.server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
@@ -74,6 +80,8 @@ class EngineServicer:
         self.llm = None  # the LLM when it runs in this process (AsyncLLM), else None
         self.engine: AsyncLLM | EngineProcess | None = None
         self.bounds = DEFAULT_BOUNDS  # what a GenerateRequest may hold: the engine's (set by attach)
+        self.image_limits: dict | None = None  # the engine's image_geometry, max_image_pixels, max_image_bytes (images)
+        self._image_pool: concurrent.futures.ThreadPoolExecutor | None = None  # decodes and crops images
         self.failure: str | None = None  # the server's watchdog: why the engine cannot serve now (stalled)
         self.draining = False
         self.calls = 0  # Generate calls admitted (logged per frontend at stop)
@@ -82,12 +90,15 @@ class EngineServicer:
     def attach(self, llm) -> None:
         """Start serving `llm` (an LLM in this process, its loop in AsyncLLM's thread; or a started EngineProcess)."""
         if isinstance(llm, EngineProcess):
-            self.bounds = RequestBounds.of(llm.request_limits)
+            limits = llm.request_limits
             self.engine = llm
         else:
             self.llm = llm
-            self.bounds = RequestBounds.of(request_limits(llm))
+            limits = request_limits(llm)
             self.engine = AsyncLLM(llm)
+        self.bounds = RequestBounds.of(limits)
+        if limits.get("image_geometry") is not None:
+            self.image_limits = {k: limits[k] for k in ("image_geometry", "max_image_pixels", "max_image_bytes")}
 
     def engine_failure(self) -> str | None:
         """Why the attached engine cannot serve (its process or thread died, or it stalled), or None."""
@@ -111,7 +122,8 @@ class EngineServicer:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the model was still loading; retry")
         try:
             prompt = self._prompt(request)
-            params = sampling_params(request.sampling, request.lora)
+            params = sampling_params(request.sampling, request.lora,
+                                     skills.DEFAULTS if isinstance(prompt, SkillPrompt) else None)
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or self._new_id()
@@ -121,6 +133,10 @@ class EngineServicer:
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"server queue is full ({self.admission.capacity} unfinished requests); retry later")
         try:
+            if isinstance(prompt, SkillPrompt) and prompt.image is not None:
+                prompt = await self._prepare_image(prompt, context)
+                if rid in self._live:  # (taken by another call while this one's image was prepared)
+                    await self._fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already live")
             try:
                 # an engine process keeps the client's id while several frontends share it (Abort via another one)
                 named = {"name": rid} if isinstance(engine, EngineProcess) else {}
@@ -322,7 +338,9 @@ class EngineServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         return self.engine
 
-    def _prompt(self, request) -> str | dict:
+    def _prompt(self, request) -> str | dict | SkillPrompt:
+        if request.skill or request.image or request.length:
+            return self._skill_prompt(request)
         kind = request.WhichOneof("input")
         if kind is None:
             raise ValueError("no input: set text or token_ids")
@@ -336,6 +354,47 @@ class EngineServicer:
         if request.chat:
             return self.engine.chat_prompt([{"role": "user", "content": text}])
         return text
+
+    def _skill_prompt(self, request) -> SkillPrompt:
+        """An image skill (GenerateRequest's skill, image, length) as the driver's SkillPrompt; ValueError if invalid."""
+        skill = request.skill
+        if self.image_limits is None:
+            raise ValueError(f"model {self.engine.info['name']!r} takes no images: image, skill and length are for a "
+                             "Moondream checkpoint")
+        if not skill:
+            raise ValueError("an image or a length needs skill 'query' or 'caption'")
+        if skill not in ("query", "caption"):
+            raise ValueError(f"skill must be 'query' or 'caption' (empty: text generation), got {short(skill)}")
+        if request.WhichOneof("input") == "token_ids" or request.chat:
+            raise ValueError(f"skill {skill!r} builds its own prompt: token_ids and chat do not apply")
+        if skill == "caption":
+            if request.text:
+                raise ValueError("skill 'caption' takes no text (length picks short, normal or long)")
+            text = request.length or "normal"
+        else:
+            if request.length:
+                raise ValueError("length is for skill 'caption'")
+            if not request.text.strip():
+                raise ValueError("skill 'query': the question (text) is empty")
+            text = request.text
+        return SkillPrompt(skill, request.image or None, text)
+
+    async def _prepare_image(self, prompt: SkillPrompt, context) -> SkillPrompt:
+        """Decode and crop the image on a worker thread of this process (a bad one fails here, at once: nothing
+        reaches the engine, and only the crops cross to an engine process), or fail the call with INVALID_ARGUMENT."""
+        if self._image_pool is None:
+            self._image_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="jphoton-image")
+        lim = self.image_limits
+        try:
+            image = await asyncio.get_running_loop().run_in_executor(
+                self._image_pool, skills.prepare, prompt.image, lim["image_geometry"], lim["max_image_pixels"],
+                lim["max_image_bytes"])
+        except ValueError as e:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - Pillow on hostile bytes: fail the request, not the server
+            log.exception("preparing an image failed")
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"image: cannot decode: {type(e).__name__}")
+        return SkillPrompt(prompt.skill, image, prompt.text)
 
     def _new_id(self) -> str:
         """Unguessable, so that no client can Abort another's request by counting."""
@@ -388,9 +447,9 @@ async def _abort(context, code: grpc.StatusCode, message: str) -> None:
     await context.abort(code, message)
 
 
-def sampling_params(msg, lora: str = "") -> SamplingParams:
-    """The proto's SamplingParams as jphoton's; unset fields keep jphoton's defaults; `lora`: GenerateRequest.lora
-    (empty: the base model). Raises ValueError if invalid."""
+def sampling_params(msg, lora: str = "", defaults: SamplingParams | None = None) -> SamplingParams:
+    """The proto's SamplingParams as jphoton's; unset fields keep `defaults`' (None: jphoton's defaults); `lora`:
+    GenerateRequest.lora (empty: the base model). Raises ValueError if invalid."""
     kw = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
     if lora:
         kw["lora"] = lora
@@ -405,7 +464,7 @@ def sampling_params(msg, lora: str = "") -> SamplingParams:
         kw["choice"] = tuple(msg.choice.options)
     elif kind is not None:
         kw[kind] = getattr(msg, kind)
-    return SamplingParams(**kw)
+    return SamplingParams(**kw) if defaults is None else dataclasses.replace(defaults, **kw)
 
 
 def method_handlers(servicer: EngineServicer) -> grpc.GenericRpcHandler:

@@ -46,19 +46,20 @@ def lora_name_error(name: str) -> str | None:
 # message of millions of empty fields made take tens of seconds, and which an unknown group in front of the fields
 # used to stop (so that two inputs or two constraints got through, the last one winning). Step by step:
 #   1. the message's size against what a request within the engine's limits can weigh (RequestBounds.message_bytes):
-#      a bigger one is refused before it is parsed at all; one bigger than everything but a text prompt can weigh
-#      (RequestBounds.other_bytes) is parsed into a message that knows only `text` (every other field, nested ones
-#      included, is one unknown field: skipped at ~5 ns, a 15 MB blob of packed ids in one copy), and refused if its
-#      bytes besides the text are more than that: only a text may make a request big;
+#      a bigger one is refused before it is parsed at all; one bigger than everything but a text prompt and an image
+#      can weigh (RequestBounds.other_bytes) is parsed into a message that knows only `text` and `image` (every other
+#      field, nested ones included, is one unknown field: skipped at ~5 ns, a 15 MB blob of packed ids in one copy),
+#      and refused if its bytes besides those are more than that: only a text or an image may make a request big;
 #   2. the bytes are parsed into a *shadow* GenerateRequest (the real descriptors, changed so that parsing is cheap
 #      and tells more): the oneofs' members are plain fields with presence, so that two members set show as two
 #      (the real message keeps the last one parsed); strings are bytes (sizes in bytes, no UTF-8 check); repeated
 #      strings (stop, choice options) are singular, since a repeated one costs ~40 ns an element to parse, 8 million
 #      empty ones 0.6 s with the GIL held, against ~13 ns for a field parsed over and over;
 #   3. on the shadow: the oneof rules, the token id and stop_token_id counts, the text's size in bytes
-#      (text_size_error, with the engine's text limits) and the bytes that parsing left out or merged (every stop
-#      string and option but the last, fields sent twice, unpacked ids: len(data) - shadow.ByteSize()) against what
-#      the limits allow (RequestBounds.repeated_bytes): this bounds how many elements the real parse will make;
+#      (text_size_error, with the engine's text limits), the image's (max_image_bytes; 0: the model takes none) and
+#      the bytes that parsing left out or merged (every stop string and option but the last, fields sent twice,
+#      unpacked ids: len(data) - shadow.ByteSize()) against what the limits allow (RequestBounds.repeated_bytes):
+#      this bounds how many elements the real parse will make;
 #   4. the real parse, then counts that are O(1) on it (stop strings, choice options, request_id and lora lengths).
 # Parsing holds the GIL (upb does not release it), so a worker thread would not keep health checks answering during
 # it; what bounds the time is steps 1 and 3. Default limits: a 15 MB message of empty fields is refused from its size
@@ -81,6 +82,7 @@ class RequestBounds:
     max_constraint_bytes: int
     max_choices: int
     max_stop_token_ids: int
+    max_image_bytes: int  # 0: the model takes no images (request_limits has no "image_geometry")
 
     @classmethod
     def of(cls, limits: dict | None) -> RequestBounds:
@@ -91,7 +93,8 @@ class RequestBounds:
                    max_model_len=given.get("max_model_len"), max_prompt_bytes=merged["max_prompt_bytes"],
                    max_stop_strings=merged["max_stop_strings"], max_stop_bytes=merged["max_stop_bytes"],
                    max_constraint_bytes=merged["max_constraint_bytes"], max_choices=merged["max_choices"],
-                   max_stop_token_ids=merged.get("max_stop_token_ids", MAX_STOP_TOKEN_IDS))
+                   max_stop_token_ids=merged.get("max_stop_token_ids", MAX_STOP_TOKEN_IDS),
+                   max_image_bytes=merged["max_image_bytes"] if given.get("image_geometry") else 0)
 
     @property
     def repeated_bytes(self) -> int:
@@ -111,7 +114,7 @@ class RequestBounds:
     @property
     def message_bytes(self) -> int:
         """The most a request within these limits weighs on the wire."""
-        return self.max_prompt_bytes + self.other_bytes
+        return self.max_prompt_bytes + self.max_image_bytes + self.other_bytes
 
 
 DEFAULT_BOUNDS = RequestBounds.of(None)
@@ -159,13 +162,14 @@ def _shadow_classes() -> dict[str, type]:
 
 
 def _text_only_class() -> type:
-    """GenerateRequest as a message of one field, `bytes text = 2` (step 1 above)."""
+    """GenerateRequest as a message of two fields, `bytes text = 2` and `bytes image = 7` (step 1 above)."""
     F = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="jphoton_text_only.proto", package="jphoton_text_only.v1",
                                               syntax="proto3")
     message = file.message_type.add(name="TextOnly")
-    number = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
-    message.field.add(name="text", number=number, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL)
+    for name in ("text", "image"):
+        number = pb.GenerateRequest.DESCRIPTOR.fields_by_name[name].number
+        message.field.add(name=name, number=number, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("jphoton_text_only.v1.TextOnly"))
@@ -196,17 +200,19 @@ def decode_generate_request(data: bytes, bounds: RequestBounds = DEFAULT_BOUNDS)
     """The request, or BadRequest (the steps above)."""
     if len(data) > bounds.message_bytes:
         return BadRequest(f"request is {len(data)} bytes; requests to this engine are at most {bounds.message_bytes} "
-                          f"bytes (its limits: max_prompt_bytes {bounds.max_prompt_bytes}, a context of "
+                          f"bytes (its limits: max_prompt_bytes {bounds.max_prompt_bytes}, max_image_bytes "
+                          f"{bounds.max_image_bytes}, a context of "
                           f"{bounds.max_model_len or DEFAULT_CONTEXT} tokens, stop strings, constraints)")
-    if len(data) > bounds.other_bytes:  # only a text may make it this big
+    if len(data) > bounds.other_bytes:  # only a text or an image may make it this big
         try:
-            rest = len(data) - len(_TextOnly.FromString(data).text)
+            big = _TextOnly.FromString(data)
         except DecodeError as e:
             return BadRequest(f"cannot decode GenerateRequest: {e}")
+        rest = len(data) - len(big.text) - len(big.image)
         if rest > bounds.other_bytes:
-            return BadRequest(f"request is {rest} bytes besides its text; a request within this engine's limits is at "
-                              f"most {bounds.other_bytes} (its context of {bounds.max_model_len or DEFAULT_CONTEXT} "
-                              "tokens, stop strings, constraints)")
+            return BadRequest(f"request is {rest} bytes besides its text and image; a request within this engine's "
+                              f"limits is at most {bounds.other_bytes} (its context of "
+                              f"{bounds.max_model_len or DEFAULT_CONTEXT} tokens, stop strings, constraints)")
     try:
         shadow = _ShadowGenerateRequest.FromString(data)
     except DecodeError as e:
@@ -240,6 +246,10 @@ def _shadow_error(shadow, size: int, bounds: RequestBounds) -> str | None:
                 f"{bounds.max_stop_token_ids}")
     if inputs == ["token_ids"] and bounds.max_model_len and len(shadow.token_ids.ids) >= bounds.max_model_len:
         return f"prompt has {len(shadow.token_ids.ids)} tokens; the context holds {bounds.max_model_len}"
+    if len(shadow.image) > bounds.max_image_bytes:
+        if not bounds.max_image_bytes:
+            return "this model takes no images (image, skill and length are for a Moondream checkpoint)"
+        return f"image: {len(shadow.image)} bytes, more than max_image_bytes={bounds.max_image_bytes}"
     if inputs == ["text"] and bounds.text_limits:
         error = text_size_error(len(shadow.text), **bounds.text_limits)  # UTF-8 bytes: the engine's measure
         if error:
