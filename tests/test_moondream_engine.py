@@ -12,8 +12,9 @@ import pathlib
 
 import pytest
 
-from conftest import shared_llm
 from jphoton import SamplingParams
+
+from conftest import shared_llm
 
 HERE = pathlib.Path(__file__).parent / "fixtures" / "moondream"
 _spec = importlib.util.spec_from_file_location("moondream_make_fixtures", HERE / "make_fixtures.py")
