@@ -9,6 +9,7 @@ writes a small seeded one in the same layout (tests, fixtures); `random_params` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -73,28 +74,72 @@ def checkpoint_file(source: str | pathlib.Path) -> pathlib.Path | None:
     return f if any(k.startswith("model.vision.") for k in keys) and "model.text.wte" in keys else None
 
 
-def read_checkpoint(path: str | pathlib.Path) -> tuple[MoondreamConfig, dict]:
-    """(config, params as host numpy arrays in the checkpoint's dtype) of an official-layout file."""
-    path = pathlib.Path(path)
-    top: dict[tuple[str, str], np.ndarray] = {}
-    blocks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    unexpected = []
+class Tensor:
+    """A params leaf as the checkpoint holds it, not yet read: the file's tensors (one, or one per layer: zero-copy
+    views of the mapped file, torch layout), to be transposed ([out, in] -> [in, out]), stacked and reshaped where
+    they land (`to_device`: on the device, where that is a copy at memory speed; `np.asarray`: on the host)."""
+
+    __slots__ = ("parts", "transpose", "stack", "shape")
+
+    def __init__(self, parts: list[np.ndarray], transpose: bool, stack: bool, shape: tuple[int, ...] | None = None):
+        self.parts, self.transpose, self.stack = parts, transpose, stack
+        one = parts[0].shape[::-1] if transpose else parts[0].shape
+        self.shape = shape or ((len(parts), *one) if stack else tuple(one))
+
+    @property
+    def dtype(self):
+        return self.parts[0].dtype
+
+    def __array__(self, dtype=None, copy=None):
+        parts = [p.T if self.transpose else p for p in self.parts]
+        a = (np.stack(parts) if self.stack else parts[0]).reshape(self.shape)
+        return a.astype(dtype) if dtype is not None else np.array(a)
+
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
+
+
+def _mapped_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only view of the mapped file (nothing read until used)."""
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                if name in _TOP:
-                    g, k, tr = _TOP[name]
-                    t = f.get_tensor(key)
-                    top[(g, k)] = t.T if tr else t
-                elif (m := _BLOCK.match(name)) and m.group(3) in (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK):
-                    k, tr = (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK)[m.group(3)]
-                    t = f.get_tensor(key)
-                    blocks.setdefault((m.group(1), k), {})[int(m.group(2))] = t.T if tr else t
-                else:
-                    unexpected.append(key)
-    except (SafetensorError, OSError) as e:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= 100 * 2**20:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(f.read(n))
+        data = np.memmap(path, np.uint8, mode="r", offset=8 + n)
+        out = {}
+        for key, h in header.items():
+            if key == "__metadata__":
+                continue
+            a, b = h["data_offsets"]
+            dtype = np.dtype(_DTYPES[h["dtype"]])
+            if b > data.size or b - a != dtype.itemsize * int(np.prod(h["shape"], dtype=np.int64)):
+                raise ValueError(f"{key}: data offsets {a}..{b} do not fit")
+            out[key] = data[a:b].view(dtype).reshape(h["shape"])
+        return out
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def read_checkpoint(path: str | pathlib.Path) -> tuple[MoondreamConfig, dict]:
+    """(config, params of `Tensor` leaves: the file's tensors mapped, not read) of an official-layout file."""
+    path = pathlib.Path(path)
+    top: dict[tuple[str, str], Tensor] = {}
+    blocks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    flags: dict[tuple[str, str], bool] = {}
+    unexpected = []
+    for key, t in _mapped_tensors(path).items():
+        name = key.removeprefix("model.")
+        if name in _TOP:
+            g, k, tr = _TOP[name]
+            top[(g, k)] = Tensor([t], tr, False)
+        elif (m := _BLOCK.match(name)) and m.group(3) in (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK):
+            k, tr = (_TEXT_BLOCK if m.group(1) == "text" else _VISION_BLOCK)[m.group(3)]
+            blocks.setdefault((m.group(1), k), {})[int(m.group(2))] = t
+            flags[(m.group(1), k)] = tr
+        else:
+            unexpected.append(key)
     if unexpected:
         raise ValueError(f"{path}: tensors a Moondream 2 checkpoint does not have: {unexpected[:8]}")
     need = [("text", "embed"), ("vision", "patch_w"), ("vision", "proj_fc1"), ("region", "coord_enc_w")]
@@ -103,12 +148,14 @@ def read_checkpoint(path: str | pathlib.Path) -> tuple[MoondreamConfig, dict]:
     cfg = _config_from_shapes(top, blocks)
     params: dict = {"text": {"layers": {}}, "vision": {"layers": {}}, "region": {}}
     for (g, k), t in top.items():
-        params[g][k] = t.reshape(-1, t.shape[-1]) if (g, k) == ("vision", "pos") else t
+        if (g, k) == ("vision", "pos"):  # [1, patches, E] -> [patches, E]
+            t = Tensor(t.parts, False, False, (t.parts[0].size // t.parts[0].shape[-1], t.parts[0].shape[-1]))
+        params[g][k] = t
     for (g, k), by_layer in blocks.items():
         n = cfg.text.n_layers if g == "text" else cfg.vision.n_layers
         if sorted(by_layer) != list(range(n)):
             raise ValueError(f"{path}: {g} blocks have {k} for layers {sorted(by_layer)[:8]}, expected 0..{n - 1}")
-        params[g]["layers"][k] = np.stack([by_layer[i] for i in range(n)])
+        params[g]["layers"][k] = Tensor([by_layer[i] for i in range(n)], flags[(g, k)], True)
     _check_shapes(cfg, params, str(path))
     return cfg, params
 
@@ -116,12 +163,12 @@ def read_checkpoint(path: str | pathlib.Path) -> tuple[MoondreamConfig, dict]:
 def _config_from_shapes(top, blocks) -> MoondreamConfig:
     V, D = top[("text", "embed")].shape
     L = len(blocks.get(("text", "wqkv"), {}))
-    F = next(iter(blocks[("text", "fc1")].values())).shape[1] if L else 8192
+    F = next(iter(blocks[("text", "fc1")].values())).shape[0] if L else 8192  # (torch layout: [out, in])
     pdim, E = top[("vision", "patch_w")].shape
     patch = int(round((pdim / 3) ** 0.5))
-    grid = int(round(top[("vision", "pos")].size / E) ** 0.5)
+    grid = int(round(np.prod(top[("vision", "pos")].shape) / E) ** 0.5)
     Lv = len(blocks.get(("vision", "wqkv"), {}))
-    Fv = next(iter(blocks[("vision", "fc1")].values())).shape[1] if Lv else 4304
+    Fv = next(iter(blocks[("vision", "fc1")].values())).shape[0] if Lv else 4304
     P = top[("vision", "proj_fc1")].shape[1]
     coord_feat, _ = top[("region", "coord_enc_w")].shape
     size_feat = top[("region", "size_enc_w")].shape[0]
@@ -150,8 +197,22 @@ def _check_shapes(cfg: MoondreamConfig, params: dict, source: str) -> None:
 
 
 def to_device(params: dict, dtype) -> dict:
-    """Host arrays -> device arrays of `dtype` (the cast on the device: one copy in the checkpoint's precision)."""
-    return jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)
+    """Host params (`Tensor` or numpy leaves) -> device arrays of `dtype`: every tensor copied over as the file holds
+    it, then transposed, stacked and cast there, all in one program (no strided copy on the host)."""
+    leaves, tree = jax.tree.flatten(params, is_leaf=lambda a: isinstance(a, Tensor))
+    tensors = [a if isinstance(a, Tensor) else Tensor([np.asarray(a)], False, False) for a in leaves]
+    parts = jax.device_put([t.parts for t in tensors])
+    layout = tuple((t.transpose, t.stack, t.shape) for t in tensors)
+    return jax.tree.unflatten(tree, _assemble(parts, layout, jnp.dtype(dtype)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _assemble(parts, layout, dtype):
+    out = []
+    for ps, (transpose, stack, shape) in zip(parts, layout, strict=True):
+        ps = [p.T if transpose else p for p in ps]
+        out.append((jnp.stack(ps) if stack else ps[0]).reshape(shape).astype(dtype))
+    return out
 
 
 def random_params(cfg: MoondreamConfig, dtype, seed: int = 0) -> dict:
