@@ -35,9 +35,9 @@ run() {  # run NAME CMD...: time-boxed, logged
 for section in "$@"; do
   case $section in
     moondream)  # Moondream 2 (random weights, bf16): start-up, text and image rows as moondream-vs-kestrel, plus decode
-      # at batch 1 with the text layers' products as plain XLA dots (scanned) and all through the Pallas GEMV
+      # at batch 1 with the text layers' products as XLA dots (default: the Pallas GEMV up to 32 tokens a step)
       run moondream python3 benchmarks/moondream.py --model random:moondream2 --out "$OUT/moondream.jsonl" \
-        --variants '{"matmul": "xla-plain", "unroll_layers": false}' '{"matmul": "gemv"}' ;;
+        --variants '{"matmul": "xla"}' ;;
     moondream-vs-kestrel)  # jphoton and Photon's engine (kestrel 0.9.2) on one random Moondream 2 checkpoint file
       # (bf16), one after the other: kestrel's own rows (../shared/kestrel: its kit copied to .kestrel/, git-ignored;
       # its wheels stashed on the held machine by `bash .kestrel/run_on_device.sh recv` calls, one part each) and

@@ -1,8 +1,9 @@
-"""Moondream 2 served by jphoton, measured as benchmarks/kestrel.sh measures Photon's engine (kestrel) on the same
-checkpoint file: one JSON line a measurement (also appended to --out), the same names, prompts and token counts.
+"""Moondream 2 served by jphoton, measured as .kestrel/bench_kestrel.py measures Photon's engine (kestrel) on the same
+checkpoint file (benchmarks/gpu_suite.sh moondream-vs-kestrel): one JSON line a measurement (also appended to --out),
+the same names, prompts and token counts.
 
     python3 benchmarks/moondream.py --model CKPT_DIR --out $OUT/moondream_jphoton.jsonl
-    python3 benchmarks/moondream.py --model random:moondream2 --only decode --variants xla xla-plain
+    python3 benchmarks/moondream.py --model random:moondream2 --only decode --variants '{"matmul": "xla"}'
 
 Rows: start-up (process start -> `LLM()` returned, and -> every step shape compiled), first token of one 128-token
 text query (p50 of 5), decode at batch 1 (256 tokens, p50 of 3), output tokens/s with 32 and 64 concurrent text queries
@@ -142,31 +143,6 @@ def measure(llm, args, out_file, rng: random.Random, tag: str) -> None:
              wall_ms=round(1e3 * wall, 2), tokens=n)
 
 
-def variant_llm(model: str, options: dict):
-    """LLM(model, **options); `"matmul": "gemv"` builds the model with every text-layer product of <= 32 rows
-    through the Pallas GEMV (a variant hook, models/matmul.py's base)."""
-    from jphoton import LLM
-
-    if options.get("matmul") != "gemv":
-        return LLM(model, **options)
-    import jax
-
-    from jphoton.models import matmul
-    from jphoton.models.protocol import moondream_family
-    from jphoton.weights import moondream as moondream_weights
-
-    class GemvMatmul(matmul.XlaMatmul):
-        def __call__(self, x, w, stacked=None, layer=None):
-            if stacked is not None and matmul._rows(x) <= matmul.PALLAS_MAX_ROWS:
-                return matmul._gemv_rows(x, stacked, layer)
-            return super().__call__(x, w)
-
-    options = {k: v for k, v in options.items() if k != "matmul"}
-    cfg, params, tok, name = moondream_weights.load(model, options.get("dtype") or (
-        "float32" if jax.default_backend() == "cpu" else "bfloat16"))
-    return LLM(moondream_family(cfg, params, tok, name, matmul=GemvMatmul(), unroll_layers=True), **options)
-
-
 def report(folder: str) -> str:
     """The side-by-side table of moondream_jphoton.jsonl and moondream_kestrel.jsonl in `folder` (markdown): each row
     jphoton, kestrel, their ratio and issue 62's target where it sets one."""
@@ -292,7 +268,7 @@ def main(argv=None) -> int:
     for spec in args.variants:
         del llm
         gc.collect()
-        llm = variant_llm(args.model, {"warmup": "off", **options, **json.loads(spec)})  # (compiles what it runs)
+        llm = LLM(args.model, **{"warmup": "off", **options, **json.loads(spec)})  # (compiles what it runs)
         llm.wait_until_ready()
         measure(llm, argparse.Namespace(**{**vars(args), "only": ["decode"]}), args.out, rng, f"jphoton {spec}")
     emit(args.out, m="done", total_s=round(time.time() - T0, 2))

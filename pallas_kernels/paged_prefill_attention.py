@@ -148,13 +148,13 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, 
     k_pool, v_pool [L, slots, Hkv, hd] with slot = page * page_size + offset; layer a Python int or a traced scalar;
     block_table [R, P] page ids (covering positions < q_start + q_len). Returns [R, T, Hq, hd] in q.dtype, zeros at
     i >= q_len[r]. interpret: None = interpret mode unless the default backend is a GPU."""
-    return _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, page_size=page_size,
-                                    sliding_window=sliding_window, prefix=prefix, config=config, interpret=interpret)
+    return _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, prefix, page_size=page_size,
+                                    sliding_window=sliding_window, config=config, interpret=interpret)
 
 
 @traced_once
-def _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, *, page_size, sliding_window,
-                             prefix, config, interpret):
+def _paged_prefill_attention(q, k_pool, v_pool, layer, block_table, q_start, q_len, prefix, *, page_size,
+                             sliding_window, config, interpret):  # (prefix: an array, traced, or None)
     check_inputs(q, k_pool, v_pool, block_table, q_start, q_len, page_size, sliding_window, prefix)
     if prefix is None:
         prefix = jnp.zeros_like(q_len)

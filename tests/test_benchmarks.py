@@ -233,6 +233,30 @@ def test_vs_pytorch_handoff_round_trips_arrays_config_and_reference(tmp_path):
         np.testing.assert_array_equal(got_ref[key], ref[key])
 
 
+def test_moondream_rows_variant_and_report(tmp_path):
+    """benchmarks/moondream.py --smoke (a tiny random checkpoint, CPU) writes every row kestrel's script writes, a
+    variant's decode rows, and --report joins them with kestrel's lines into the side-by-side table."""
+    from benchmarks.moondream import main
+
+    out = tmp_path / "moondream_jphoton.jsonl"
+    assert main(["--smoke", "--out", str(out), "--variants", '{"matmul": "xla"}']) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {}
+    for r in rows:
+        by.setdefault(r["m"], []).append(r)
+    assert {"startup", "ttft_text_1req", "decode_b1", "throughput_text", "image_query", "caption", "serving"} <= set(by)
+    assert [r["engine"] for r in by["decode_b1"]] == ["jphoton", 'jphoton {"matmul": "xla"}']
+    assert all(r["ms_per_token_p50"] > 0 for r in by["decode_b1"])
+    image = by["image_query"][0]
+    assert image["repeat_image"]["ttft_ms"] > 0 and image["image_cache_hits"] >= 1 and image["prefix_hit_tokens"] > 0
+    assert by["serving"][0]["kv_pages_leaked"] == 0  # (compiles_while_serving: the smoke engine compiles on use)
+    kestrel = [{**r, "engine": "kestrel"} for r in rows if r["m"] in ("decode_b1", "image_query")][:2]
+    (tmp_path / "moondream_kestrel.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kestrel))
+    table = subprocess.run(["python3", str(ROOT / "benchmarks" / "moondream.py"), "--report", str(tmp_path)],
+                           capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "| decode at batch 1, ms/token (p50) |" in table and "<= 0.8x" in table, table
+
+
 def test_startup(tmp_path):
     """A fresh child process per run, cold then warm caches; --wait-ready decodes until every shape is ready."""
     from benchmarks.startup import main

@@ -238,8 +238,12 @@ def test_a_huge_prompt_stalls_no_stream_and_no_health_check(proc_srv, megabytes)
     assert slowest_health < 1.0, f"a health check took {slowest_health * 1e3:.0f} ms"
     # 15 MB (the acceptance's case): refused from its size, within 3x. 2 MB: tokenized in the helper process, which on
     # the 2-core CI machine takes one of the cores the engine's CPU step runs on (niced, but 3.2x was seen once).
+    # The client's own encoding of the 15 MB message shares the two cores too (a 261 ms gap beside 57 ms undisturbed
+    # was seen once on CI), so a gap under 0.5 s passes whatever the ratio: tokenizing 2 MB on the event loop stalls
+    # ~1 s and 15 MB ~8 s, so both still fail.
     bound = 3 if megabytes == 15 else 4
-    assert busy <= bound * quiet, f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
+    assert busy <= max(bound * quiet, 0.5), \
+        f"largest gap {busy * 1e3:.0f} ms while preparing vs {quiet * 1e3:.0f} ms undisturbed"
     _wait_idle(stub)
 
 

@@ -170,3 +170,39 @@ def test_pool_weights_are_stitch_and_pool(tiling):
     padded = np.concatenate([feats, rng.standard_normal((13 - th * tw, g, g, E))])  # padding crops weigh nothing
     got = np.einsum("cij,cjkd,clk->ild", rows.astype(np.float64), padded, cols.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, want", [("cpu", jnp.float32), ("gpu", jnp.bfloat16)])
+def test_default_dtype_is_the_engines(monkeypatch, tmp_path, backend, want):
+    """dtype None loads as every model does (weights/load.py resolve_dtype): bfloat16 on an accelerator. It once became
+    numpy's float64, truncated to float32: a Moondream 2 served from its checkpoint in float32 by default on the GPU
+    (decode 2.4x slower)."""
+    from jphoton.weights import load as load_lib
+    from jphoton.weights.moondream import load
+
+    monkeypatch.setattr(load_lib.jax, "default_backend", lambda: backend)
+    f = mf.write_checkpoint(tmp_path, "a")
+    _, params, _, _ = load(str(f.parent), None)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(want)}
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_gemv_products_match_xla(models, n):
+    """The GPU default for Moondream ("fused": each text-layer product of <= 32 tokens through the Pallas GEMV,
+    interpret mode here; per-layer params) equals the plain XLA forward over the stacked layers, at 1, 5 and 40
+    tokens (40: XLA dots again)."""
+    from jphoton.models.matmul import XlaMatmul
+    from jphoton.models.moondream import dense_attend, serving_layout, text_forward
+
+    cfg, params, _ = models["a"]
+    t = cfg.text
+    tokens = jnp.asarray(np.random.default_rng(n).integers(0, t.vocab_size, n), jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    cache = jnp.zeros((t.n_layers, 64, t.n_heads, t.head_dim), jnp.float32)
+
+    def hidden(p, mm):
+        return np.asarray(text_forward(p, cfg, tokens, pos, (cache, cache, pos, n), dense_attend(0), matmul=mm)[0])
+
+    want = hidden(params, None)
+    got = hidden(serving_layout(params), XlaMatmul(dense_gemv=True, interpret=True))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

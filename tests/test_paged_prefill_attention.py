@@ -64,6 +64,25 @@ def test_kernel_matches_reference(name):
     assert not np.asarray(out, np.float32)[~live].any()  # past each row's length (and padding rows): zeros
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_image_prefix_matches_reference(jit):
+    """prefix (an image's positions, attending bidirectionally) as an array, given eagerly and traced inside a jit (the
+    engine's step; a prefix once passed as a static option failed there, on the GPU only)."""
+    starts, lens, prefix = [0, 10, 29, 3, 0], [10, 10, 4, 7, 0], [8, 12, 31, 0, 0]
+    q, k, v, table, s, n = make_inputs(5, T=10, Hq=8, Hkv=2, hd=16, page_size=4, P=12, dtype=jnp.float32,
+                                       starts=starts, lens=lens)
+    cfg, pre = PagedPrefillConfig(tile_rows=16, block_kv=16), jnp.asarray(prefix, jnp.int32)
+
+    def run(pre):
+        return paged_prefill_attention(q, k, v, 1, table, s, n, page_size=4, prefix=pre, config=cfg, interpret=True)
+
+    out = (jax.jit(run) if jit else run)(pre)
+    ref = paged_prefill_attention_reference(q, k, v, 1, table, s, n, page_size=4, prefix=pre)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    causal = paged_prefill_attention_reference(q, k, v, 1, table, s, n, page_size=4)
+    assert not np.allclose(np.asarray(ref[0, :8]), np.asarray(causal[0, :8]))  # (the prefix changes what rows see)
+
+
 def test_traced_layer_and_jit():
     """layer as a traced scalar inside jit (the engine's scanned layer loop)."""
     q, k, v, table, s, n = make_inputs(3, T=8, Hq=8, Hkv=2, hd=16, page_size=4, P=6, dtype=jnp.float32,

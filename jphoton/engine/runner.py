@@ -75,6 +75,8 @@ class Runner:
                                  image_prefix=getattr(model, "vision", None) is not None,
                                  decode_banned=tuple(getattr(model, "decode_banned_tokens", ())))
         self.vision = getattr(model, "vision", None)  # the image encoder (models/protocol.py Vision), or None
+        self.vision_ready: set[int] = set()  # crop buckets whose vision step is compiled (engine/warmup.py)
+        self.vision_on_use = False  # warmup "off": a bucket compiles when an image first needs it
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
         self.packed_size = max(StepLayout(s, self.static).size for s in self.sched.all_shapes())
@@ -241,9 +243,17 @@ class Runner:
             index = jax.ShapeDtypeStruct((), jnp.int32)
             self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
             self._write_inline.lower(self._step_specs[0], index, blocks).compile()
-        if self.vision is not None:
-            for n in self.vision.crop_buckets:
-                self._encode_image.lower(self._step_specs[0], *self._image_specs(n)).compile()
+        if self.vision is not None:  # the largest crop bucket serves every image; warmup compiles the others
+            self.compile_vision(self.vision.crop_buckets[-1])
+
+    def lower_vision(self, bucket: int):
+        """The vision step for `bucket` crops, lowered (`.compile()` it; the engine uses it once `vision_ready` holds
+        the bucket)."""
+        return self._encode_image.lower(self._step_specs[0], *self._image_specs(bucket))
+
+    def compile_vision(self, bucket: int) -> None:
+        self.lower_vision(bucket).compile()
+        self.vision_ready.add(bucket)
 
     def _image_specs(self, n: int) -> tuple:
         v, on = self.vision, self._sharding
@@ -257,7 +267,9 @@ class Runner:
         """Dispatch the vision step for one image (its crops padded to the smallest bucket that holds them) into the
         image cache's `slot`: ordered after every step already dispatched and before the next, which reads it."""
         n = len(crops)
-        bucket = next(b for b in self.vision.crop_buckets if b >= n)
+        if self.vision_on_use:  # (warmup "off": the smallest bucket that holds the crops, compiled now if need be)
+            self.vision_ready.add(next(b for b in self.vision.crop_buckets if b >= n))
+        bucket = min(b for b in tuple(self.vision_ready) if b >= n)  # (the largest compiles at start-up; warm-up adds)
         c = np.zeros((bucket, *crops.shape[1:]), np.uint8)
         c[:n] = crops
         r, k = (np.zeros((bucket - 1, *a.shape[1:]), np.float32) for a in (pool_rows, pool_cols))
@@ -335,6 +347,8 @@ class Runner:
         for shape in self.filtered_shapes():
             self.compile_step(shape, filtered=True)
         self.compile_table_writes()
+        for bucket in self.vision.crop_buckets if self.vision is not None else ():
+            self.compile_vision(bucket)
         elapsed = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1fs", len(shapes), elapsed)
         return elapsed

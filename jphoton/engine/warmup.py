@@ -107,6 +107,7 @@ class Warmup:
         """Compile what the mode says must exist before serving; in "background" start the thread for the rest."""
         self._t0 = time.perf_counter()
         if self.mode == "off":
+            self.runner.vision_on_use = True
             self._done.set()
             return
         self.runner.filtered_ready = set()  # until a variant is compiled, its steps sample through the second sampler
@@ -189,7 +190,11 @@ class Warmup:
             if decode_left <= 0:
                 tasks += samplers
                 samplers = []
-        return tasks + samplers + [("step", s, True) for s in self.filtered]
+        # an image model's vision step at each crop bucket: right after the first tier
+        vision = getattr(self.runner, "vision", None)
+        buckets = [("vision", b) for b in (vision.crop_buckets if vision is not None else ()) if b not in
+                   self.runner.vision_ready]
+        return buckets + tasks + samplers + [("step", s, True) for s in self.filtered]
 
     def _wanted(self, tasks: list[tuple]) -> tuple | None:
         """The task of the shape a plan could not use (`Scheduler.wanted`), if it is still to do."""
@@ -291,12 +296,16 @@ class Warmup:
             tasks.remove(task)
             if task[0] == "sampler":
                 yield [self.runner.lower_sampler(task[1])], task
+            elif task[0] == "vision":
+                yield [self.runner.lower_vision(task[1])], task
             else:
                 yield self.runner.lower_step(task[1], filtered=task[2]), task
 
     def _mark_ready(self, task: tuple) -> None:
         if task[0] == "sampler":
             self._sampler_ready()
+        elif task[0] == "vision":
+            self.runner.vision_ready.add(task[1])
         elif task[2]:
             self.runner.filtered_ready.add(task[1])
         else:

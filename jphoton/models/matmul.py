@@ -3,7 +3,8 @@
 projection plus the residual add plus the RMSNorm that feeds the next matmul (`residual`), and the LM head (`head`).
 Kinds: "xla-plain" (XLA dots as written, `PlainMatmul`, the CPU default); "xla" (XLA dots, a one-token step computed
 as two rows, `XlaMatmul`); "fused" (the GPU default: "xla", with gate+up through the SwiGLU GEMV for steps of <= 32
-tokens, and O and down through split-K GEMV partials into pallas_kernels/add_rms_norm.py at 17-32 tokens). A hook gets
+tokens, and O and down through split-K GEMV partials into pallas_kernels/add_rms_norm.py at 17-32 tokens; for a model
+of plain products only, Moondream, each product of <= 32 tokens through the GEMV: `dense_gemv`). A hook gets
 the layer's matrix [K, N] (for an XLA dot) and the stacked weight [L, K, N] + layer index (for a kernel: a Pallas call
 fed a slice of the stack would copy the weights).
 Why each kind: docs/models.md, "Matmul kinds"; numbers: docs/decisions.md, "Decode step on the device".
@@ -137,20 +138,25 @@ class XlaMatmul(PlainMatmul):
     min_rows = 2
 
     def __init__(self, glu_gemv: bool = False, residual_gemv: bool = False, residual_min_rows: int = 1,
-                 interpret: bool | None = None):
+                 interpret: bool | None = None, dense_gemv: bool = False):
+        self.dense_gemv = dense_gemv
         self.glu_gemv = glu_gemv
         self.residual_gemv = residual_gemv
         self.residual_min_rows = residual_min_rows
         self.interpret = interpret
         gemvs = [what for what, on in (
             ("gate+up with SwiGLU", glu_gemv),
-            (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv)) if on]
+            (f"O and down into the add + RMSNorm kernel (from {residual_min_rows} tokens)", residual_gemv),
+            ("every other product", dense_gemv)) if on]
         log.info("dense matmuls: XLA (one-token steps as two rows)%s",
                  f"; Pallas GEMVs for {', '.join(gemvs)} at <= {PALLAS_MAX_ROWS} tokens" if gemvs else "")
 
     def __call__(self, x: jax.Array, w: jax.Array, stacked: jax.Array | None = None, layer=None) -> jax.Array:
         """x [..., K] @ w [K, N]: the layer's matrix, never the stack indexed by the traced layer (XLA would copy each
-        layer's weights: docs/models.md, "Matmul kinds")."""
+        layer's weights: docs/models.md, "Matmul kinds"). With `dense_gemv` (models whose layers are only plain
+        products: Moondream's), steps of <= PALLAS_MAX_ROWS tokens run it as the Pallas GEMV."""
+        if self.dense_gemv and stacked is not None and _rows(x) <= PALLAS_MAX_ROWS:
+            return _gemv_rows(x, stacked, layer, interpret=self.interpret)
         return two_row_dot(x, w)
 
     def glu(self, x: jax.Array, w: jax.Array, stacked: jax.Array, layer, n: int | None = None) -> jax.Array:
@@ -177,10 +183,11 @@ class XlaMatmul(PlainMatmul):
         return super().residual(h, y, w, stacked, layer, norm, norm_stack, eps, bias, lora, norm_layer)
 
 
-def make(kind, interpret: bool | None = None, reduce=None) -> PlainMatmul:
+def make(kind, interpret: bool | None = None, reduce=None, dense_gemv: bool = False) -> PlainMatmul:
     """The hook for a kind (module docstring); a hook object passes through (benchmarks build variants). reduce: the
     tensor-parallel all-reduce (`PlainMatmul.reduce`); O and down then run as XLA dots (the GEMV + add-RMSNorm path
-    has no all-reduce between its two kernels)."""
+    has no all-reduce between its two kernels). dense_gemv: "fused" runs the plain products (`__call__`) of steps of
+    <= PALLAS_MAX_ROWS tokens through the GEMV too (a model without SwiGLU or RMSNorm layers: Moondream)."""
     if not isinstance(kind, str):
         hook = kind
     elif (kind := resolve(kind)) == "xla-plain":
@@ -189,7 +196,7 @@ def make(kind, interpret: bool | None = None, reduce=None) -> PlainMatmul:
     else:
         fused = kind == "fused"
         hook = XlaMatmul(glu_gemv=fused, residual_gemv=fused, residual_min_rows=FUSED_RESIDUAL_MIN_ROWS,
-                         interpret=interpret)
+                         interpret=interpret, dense_gemv=fused and dense_gemv)
     if reduce is not None:
         if not isinstance(kind, str):
             import copy

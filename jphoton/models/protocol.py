@@ -132,7 +132,7 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
     params = {**params, "image_cache": jnp.zeros((image_slots, v.grid ** 2, t.dim), dtype)}
     if unroll_layers:
         params = moondream.serving_layout(params)
-    mm = matmul_hook.make(matmul)
+    mm = matmul_hook.make(matmul, dense_gemv=True)  # (its layers: plain products only, with biases)
     mc = ModelConfig(architecture="custom", vocab_size=t.vocab_size, hidden_size=t.dim, intermediate_size=t.ff_dim,
                      num_layers=t.n_layers, num_heads=t.n_heads, num_kv_heads=t.n_heads, head_dim=t.head_dim,
                      max_position_embeddings=t.max_context, bos_token_id=config.bos_id,

@@ -318,9 +318,12 @@ def parse_random(spec: str) -> MoondreamConfig:
 
 
 def load(source, dtype) -> tuple[MoondreamConfig, dict, object, str]:
-    """(config, params on the device in `dtype`, tokenizer or None, name) of a Moondream source (`is_source`)."""
+    """(config, params on the device in `dtype`, tokenizer or None, name) of a Moondream source (`is_source`). dtype
+    None: weights/load.py `resolve_dtype` (bfloat16 on accelerators)."""
     from jphoton.text.tokenizer import Tokenizer
+    from jphoton.weights.load import resolve_dtype
 
+    dtype = resolve_dtype(dtype)
     if isinstance(source, str) and source.startswith("random:"):
         cfg = parse_random(source)
         return cfg, random_params(cfg, dtype), None, source
