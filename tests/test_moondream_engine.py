@@ -106,3 +106,26 @@ def test_one_request_at_a_time_and_a_stream_aborted_mid_answer(engines):
     wide = FIX["configs"]["a"]["images"]["wide"]["query"][0]
     out = llm.query(IMAGES["wide"], wide["question"], GREEDY)
     assert _answer(out.token_ids, out.finish_reason) == wide["ids"]
+
+
+def test_background_warm_up_serves_images_at_the_largest_bucket_first(tmp_path):
+    """warmup="background": `LLM()` returns with the vision step compiled at the largest crop bucket only (it serves
+    any image: padding crops weigh nothing), the smaller buckets compile in the background; an image answered before
+    and after they are in gets the reference's ids both times, and nothing compiles once all is ready."""
+    from conftest import make_llm
+
+    mf.write_checkpoint(tmp_path, "a")
+    llm = make_llm(str(tmp_path), **{**ENGINE, "warmup": "background"})
+    runner = llm.engine.runner
+    buckets = runner.vision.crop_buckets
+    assert runner.vision_ready >= {buckets[-1]}
+    skill, image, text, want = _requests("a")[2]
+    out = llm.caption(image, text, GREEDY)
+    assert _answer(out.token_ids, out.finish_reason) == want
+    llm.wait_until_ready()
+    assert runner.vision_ready == set(buckets)
+    compiles = llm.stats()["num_compiles"]
+    wide = FIX["configs"]["a"]["images"]["wide"]["query"][0]
+    out = llm.query(IMAGES["wide"], wide["question"], GREEDY)
+    assert _answer(out.token_ids, out.finish_reason) == wide["ids"]
+    assert llm.stats()["num_compiles"] == compiles

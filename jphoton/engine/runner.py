@@ -243,8 +243,6 @@ class Runner:
             index = jax.ShapeDtypeStruct((), jnp.int32)
             self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
             self._write_inline.lower(self._step_specs[0], index, blocks).compile()
-        if self.vision is not None:  # the largest crop bucket serves every image; warmup compiles the others
-            self.compile_vision(self.vision.crop_buckets[-1])
 
     def lower_vision(self, bucket: int):
         """The vision step for `bucket` crops, lowered (`.compile()` it; the engine uses it once `vision_ready` holds
@@ -267,9 +265,11 @@ class Runner:
         """Dispatch the vision step for one image (its crops padded to the smallest bucket that holds them) into the
         image cache's `slot`: ordered after every step already dispatched and before the next, which reads it."""
         n = len(crops)
-        if self.vision_on_use:  # (warmup "off": the smallest bucket that holds the crops, compiled now if need be)
-            self.vision_ready.add(next(b for b in self.vision.crop_buckets if b >= n))
-        bucket = min(b for b in tuple(self.vision_ready) if b >= n)  # (the largest compiles at start-up; warm-up adds)
+        ready = [b for b in tuple(self.vision_ready) if b >= n]  # (engine/warmup.py compiles the largest first)
+        if self.vision_on_use or not ready:  # warmup "off": the smallest bucket that holds them, compiled now
+            ready = [next(b for b in self.vision.crop_buckets if b >= n)]
+            self.vision_ready.add(ready[0])
+        bucket = min(ready)
         c = np.zeros((bucket, *crops.shape[1:]), np.uint8)
         c[:n] = crops
         r, k = (np.zeros((bucket - 1, *a.shape[1:]), np.float32) for a in (pool_rows, pool_cols))

@@ -118,8 +118,12 @@ class Warmup:
             self._finish()
             return
         first = first_shapes(self.shapes, self.scheduler)
-        with concurrent.futures.ThreadPoolExecutor(len(first), thread_name_prefix="jphoton-compile") as pool:
-            list(pool.map(self.runner.compile_step, first))
+        jobs = [functools.partial(self.runner.compile_step, s) for s in first]
+        vision = getattr(self.runner, "vision", None)
+        if vision is not None:  # an image model: the vision step at its largest crop bucket (serves every image)
+            jobs.append(functools.partial(self.runner.compile_vision, vision.crop_buckets[-1]))
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="jphoton-compile") as pool:
+            list(pool.map(lambda job: job(), jobs))
         self.compiled.update(first)
         self.first_token_s = time.perf_counter() - self._t0
         self.scheduler.ready = frozenset(self.compiled)
