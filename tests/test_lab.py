@@ -5,6 +5,7 @@ that no longer runs against today's code fails here, not on the device. Most run
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pathlib
 import re
@@ -173,3 +174,10 @@ def test_serve_tree():
             server.communicate(timeout=60)
         finally:
             server.kill()
+
+
+def test_program_memory(capsys):
+    out = run_probe(capsys, "lab/probes/program_memory.py", "--model", TINY, "--steps", "1", "--options",
+                    '{"max_num_seqs": 2, "max_model_len": 64, "dtype": "float32"}')
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert rows[0]["shapes"] >= 1 and rows[1]["program"].startswith("step ") and rows[1]["args_gib"] > 0, rows

@@ -29,7 +29,7 @@ def report(name: str, compiled, t0: float) -> None:
                       "compile_s": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
-def main() -> int:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:moondream2")
     ap.add_argument("--options", default="{}", help="LLM(...) keywords as JSON")
@@ -46,8 +46,7 @@ def main() -> int:
         t0 = time.perf_counter()
         for lowered in runner.lower_step(shape):
             report(f"step {shape}", lowered.compile(), t0)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
