@@ -39,7 +39,7 @@ def test_throughput(tmp_path):
 
     # one depth, a narrow engine (CI time): the depths share the code path, the defaults are the GPU runs' business
     rows = main(["--model", TINY, "--batch", "2", "--prompt-len", "16", "--new-tokens", "6", "--depths", "2",
-                 "--llm-args", NARROW,
+                 "--llm-args", NARROW + ",warmup='off'",
                  "--bandwidth-gib", "0.01", "--out", str(tmp_path / "t.json")])
     assert [r["depth"] for r in rows] == [2] and all(r["decode_ms"] > 0 for r in rows)
     assert json.loads((tmp_path / "t.json").read_text())["rows"]
@@ -95,7 +95,8 @@ def test_pipeline(tmp_path):
     from benchmarks.pipeline import main
 
     rows = main(["--models", TINY, "--streams", "2", "--requests-per-stream", "1", "--out", str(tmp_path),
-                 "--llm-args", "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),)"])
+                 "--llm-args", "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),),"
+                 "warmup='off'"])
     (row,) = rows
     assert row["tok_s_blocking"] > 0 and row["tok_s_pipelined"] > 0 and row["fwd_plus_sampling_ms"] > 0
     assert (tmp_path / "pipeline.json").exists() and (tmp_path / "pipeline_timelines.json").exists()
@@ -115,7 +116,7 @@ def test_constrained(tmp_path):
     tok = tmp_path / "tok"  # exported from the embedded model on first use
     rows = main(["--model", "random:smollm2-135m:layers=2", "--tokenizer", str(tok), "--streams", "2",
                  "--requests-per-stream", "1", "--max-tokens", "12", "--max-num-seqs", "2", "--out", str(tmp_path),
-                 "--llm-args", "max_model_len=128,decode_buckets=(2,),prefill_buckets=((1,64),)"])
+                 "--llm-args", "max_model_len=128,decode_buckets=(2,),prefill_buckets=((1,64),),warmup='off'"])
     assert (tok / "tokenizer.json").exists()
     assert [r["constraint"] for r in rows] == ["schema", "coords"]
     for row in rows:
@@ -261,10 +262,11 @@ def test_startup(tmp_path):
     """A fresh child process per run, cold then warm caches; --wait-ready decodes until every shape is ready."""
     from benchmarks.startup import main
 
-    # the cold run only, and fewer step shapes than the defaults (CI time): a warm run is the same child with the
+    # the cold run only, fewer step shapes than the defaults and no logprobs (3 second samplers, not 7: a shorter
+    # background compile, fewer requests decoded meanwhile) (CI time): a warm run is the same child with the
     # persistent cache filled
     result = main(["--models", TINY, "--runs", "cold", "--wait-ready", "--llm-args",
-                   "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),)",
+                   "max_num_seqs=2,max_model_len=256,decode_buckets=(2,),prefill_buckets=((1,64),),max_logprobs=0",
                    "--out", str(tmp_path / "s.json")])
     cold = result["models"][TINY]["cold"]
     assert 0 < cold["import_s"] < cold["llm_s"] < cold["first_token_s"]

@@ -189,10 +189,11 @@ def test_a_compile_worker_process_compiles_the_background_programs(cpu_compile_w
     installed = {}
     monkeypatch.setattr(Runner, "install", lambda self, key, program: installed.setdefault(key, program))
     ref = tiny_reference(family)
-    # one decode bucket (CI time): the background still holds a mixed step, its top-k / top-p variant, the second
-    # samplers and, with adapters, their LoRA variants
+    # one decode bucket, one 32-token prefill row, no logprobs (CI time: 3 second samplers, not 7): the background
+    # still holds a mixed step, its top-k / top-p variant, the second samplers and, with adapters, their LoRA variants
     llm = make_llm(str(FIXTURES / "tiny" / family), warmup="background", compile_worker=True, max_loras=loras,
-                   max_lora_rank=8, max_num_seqs=2, decode_buckets=(2,))
+                   max_lora_rank=8, max_num_seqs=2, decode_buckets=(2,), prefill_buckets=((1, 32),),
+                   max_num_batched_tokens=64, max_model_len=64, max_logprobs=0)
     assert llm.wait_until_ready(timeout=600)
     stats, runner = llm.stats(), llm.engine.runner
     assert stats["compile_path"] == "worker" and stats["all_shapes_ready"]
