@@ -28,13 +28,26 @@ _SHARED_LLMS = []  # engines of module- and session-scoped fixtures: checked aft
 _TEST_LLMS = []  # engines made by the running test: checked after it, then dropped (each holds weights and a KV pool)
 
 
+_EMBEDDED_MODEL = []  # the embedded model's JaxModel (float32, one device), once a test engine has loaded it
+# options that change how the model is built (not only the engine around it): an engine given any of them loads its own
+_MODEL_OPTIONS = {"dtype", "tensor_parallel_size", "unroll_layers", "matmul", "moe_backend", "cache_converted",
+                  "tokenizer", "config", "max_loras"}  # (LoRA widens the weights in place)
+
+
 def make_llm(model=None, **kwargs):
     """An LLM with the test bucket sets, checked for leaked KV pages after the test. freeze_gc is off unless a test asks:
     gc.freeze() would keep every later-dropped engine of the session alive. Warm-up is "full" (every shape before the
-    test runs: deterministic); tests of the background warm-up ask for it."""
+    test runs: deterministic); tests of the background warm-up ask for it. The embedded model (model=None) is loaded
+    once per process and its JaxModel (weights read-only) shared by every engine of it: one 540 MB copy of the float32
+    weights, not one per engine (the three pipeline depths' session engines, test engines beside them)."""
     from jphoton import LLM
 
+    share = model is None and not _MODEL_OPTIONS & kwargs.keys()
+    if share and _EMBEDDED_MODEL:
+        model = _EMBEDDED_MODEL[0]
     llm = LLM(model, **{"dtype": "float32", "freeze_gc": False, "warmup": "full", **ENGINE_ARGS, **kwargs})
+    if share and not _EMBEDDED_MODEL:
+        _EMBEDDED_MODEL.append(llm.model)
     _TEST_LLMS.append(llm)
     return llm
 
