@@ -76,7 +76,6 @@ class Runner:
                                  decode_banned=tuple(getattr(model, "decode_banned_tokens", ())))
         self.vision = getattr(model, "vision", None)  # the image encoder (models/protocol.py Vision), or None
         self.vision_ready: set[int] = set()  # crop buckets whose vision step is compiled (engine/warmup.py)
-        self.vision_on_use = False  # warmup "off": a bucket compiles when an image first needs it
         # Every step takes an input of one length (the largest layout), whatever its shape: a step that follows a
         # grammar step gets it from the grammar sampler's carrier, as a device array of that length.
         self.packed_size = max(StepLayout(s, self.static).size for s in self.sched.all_shapes())
@@ -265,11 +264,11 @@ class Runner:
         """Dispatch the vision step for one image (its crops padded to the smallest bucket that holds them) into the
         image cache's `slot`: ordered after every step already dispatched and before the next, which reads it."""
         n = len(crops)
-        ready = [b for b in tuple(self.vision_ready) if b >= n]  # (engine/warmup.py compiles the largest first)
-        if self.vision_on_use or not ready:  # warmup "off": the smallest bucket that holds them, compiled now
-            ready = [next(b for b in self.vision.crop_buckets if b >= n)]
-            self.vision_ready.add(ready[0])
-        bucket = min(ready)
+        # the smallest compiled bucket that holds them (warm-up compiles the largest first); none (warmup "off"): the
+        # smallest bucket that holds them, compiled now
+        bucket = min((b for b in tuple(self.vision_ready) if b >= n), default=None) or next(
+            b for b in self.vision.crop_buckets if b >= n)
+        self.vision_ready.add(bucket)
         c = np.zeros((bucket, *crops.shape[1:]), np.uint8)
         c[:n] = crops
         r, k = (np.zeros((bucket - 1, *a.shape[1:]), np.float32) for a in (pool_rows, pool_cols))

@@ -107,7 +107,6 @@ class Warmup:
         """Compile what the mode says must exist before serving; in "background" start the thread for the rest."""
         self._t0 = time.perf_counter()
         if self.mode == "off":
-            self.runner.vision_on_use = True
             self._done.set()
             return
         self.runner.filtered_ready = set()  # until a variant is compiled, its steps sample through the second sampler
