@@ -102,10 +102,10 @@ def main(argv=None):
     print(info, flush=True)
     pages = -(-max(args.ctx, 256) // 16)
     rows_max = max(args.rows)
-    llm = LLM(args.model, max_model_len=pages * 16, pipeline_depth=2, max_num_seqs=rows_max,
-              decode_buckets=tuple(sorted(set(args.rows))), prefill_buckets=((1, 16),),
-              max_num_batched_tokens=rows_max + 16, num_kv_pages=rows_max * pages + 8, progress=False, warmup=False,
-              **extra)
+    llm = LLM(args.model, **{**dict(max_model_len=pages * 16, pipeline_depth=2, max_num_seqs=rows_max,
+                                    decode_buckets=tuple(sorted(set(args.rows))), prefill_buckets=((1, 16),),
+                                    max_num_batched_tokens=rows_max + 16, num_kv_pages=rows_max * pages + 8,
+                                    progress=False, warmup=False), **extra})
     rows = []
     for d in args.rows:
         lora = min(args.lora_rows, d)

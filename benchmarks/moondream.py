@@ -203,6 +203,27 @@ def report(folder: str) -> str:
     return "\n".join(lines)
 
 
+def vision_attention_check(out_file) -> dict:
+    """The vision encoder's attention as the engine runs it on this backend (cuDNN's flash attention on a GPU) and the
+    plain einsums, both in bfloat16 on the real shape, against the einsums in float32: max abs differences. Exits
+    if the fast path is off by more than twice the plain path (+0.01)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jphoton.models.moondream import vision_attention
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 729, 16, 72), jnp.float32) for i in range(3))
+    ref = vision_attention(q, k, v, "xla")
+    diffs = {}
+    for impl in ("xla", "cudnn") if jax.default_backend() == "gpu" else ("xla",):
+        out = jax.jit(vision_attention, static_argnums=3)(*(a.astype(jnp.bfloat16) for a in (q, k, v)), impl)
+        diffs[impl] = round(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), 5)
+    emit(out_file, m="vision_attention_check", max_abs_diff_vs_float32=diffs)
+    if diffs.get("cudnn", 0.0) > 2 * diffs["xla"] + 0.01:
+        raise SystemExit(f"vision attention: cuDNN differs from the float32 einsums by {diffs}")
+    return diffs
+
+
 def tiny_checkpoint() -> str:
     """A small random Moondream 2 checkpoint in the official layout (the CPU smoke test)."""
     from jphoton.models.moondream import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
@@ -266,6 +287,7 @@ def main(argv=None) -> int:
          config={k: str(v) for k, v in vars(llm.engine_config).items() if k in ("max_num_seqs", "buckets",
                                                                                "max_num_batched_tokens", "kernels")},
          gpu_mem_gib=round((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2))
+    vision_attention_check(args.out)
     rng = random.Random(1234)
     at_ready = llm.stats()["num_compiles"]
     measure(llm, args, args.out, rng, "jphoton")

@@ -105,7 +105,9 @@ class LLM:
         elif moondream_weights.is_source(model):  # an image model (models/moondream.py)
             mcfg, params, tok, name = moondream_weights.load(model, cfg.dtype)
             self.model = moondream_family(mcfg, params, tok, name, matmul=cfg.kernels.matmul,
-                                          unroll_layers=cfg.kernels.unroll_layers)
+                                          unroll_layers=cfg.kernels.unroll_layers,
+                                          vision_attention="auto" if cfg.kernels.attention in ("auto", "pallas")
+                                          else "xla")
         else:
             k = cfg.kernels
             # random weights are made in the serving layout, on their shards (a model larger than one device)

@@ -245,7 +245,8 @@ def test_moondream_rows_variant_and_report(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r["m"], []).append(r)
-    assert {"startup", "ttft_text_1req", "decode_b1", "throughput_text", "image_query", "caption", "serving"} <= set(by)
+    assert {"startup", "ttft_text_1req", "decode_b1", "throughput_text", "image_query", "caption", "serving",
+            "vision_attention_check"} <= set(by)
     assert [r["engine"] for r in by["decode_b1"]] == ["jphoton", 'jphoton {"matmul": "xla"}']
     assert all(r["ms_per_token_p50"] > 0 for r in by["decode_b1"])
     image = by["image_query"][0]

@@ -181,3 +181,10 @@ def test_program_memory(capsys):
                     '{"max_num_seqs": 2, "max_model_len": 64, "dtype": "float32"}')
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert rows[0]["shapes"] >= 1 and rows[1]["program"].startswith("step ") and rows[1]["args_gib"] > 0, rows
+
+
+def test_image_latency(capsys):
+    out = run_probe(capsys, "lab/probes/image_latency.py", "--smoke")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert rows[0]["prepare_ms"] > 0 and rows[0]["steps"][0]["kind"] == "prefill", rows[0]
+    assert rows[-1]["run"] == "profiled" and rows[-1]["kernels"] > 0, rows[-1]

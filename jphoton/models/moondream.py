@@ -259,8 +259,21 @@ def patches(crops: jax.Array, patch: int) -> jax.Array:
     return x.reshape(N, g * g, 3 * patch * patch)
 
 
-def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=None) -> jax.Array:
-    """crops [N, 378, 378, 3] uint8 -> features [N, 729, enc_dim] (after the final LayerNorm)."""
+def vision_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "xla") -> jax.Array:
+    """q, k, v [N, T, H, d] -> [N, T, H, d]: each crop's patches attend to each other (bidirectional). impl "xla": the
+    plain einsums, float32 scores (the reference); "cudnn": cuDNN's fused flash attention (GPU, 16-bit inputs)."""
+    scale = q.shape[-1] ** -0.5
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")
+    s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v,
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=None, attention: str = "xla"
+                  ) -> jax.Array:
+    """crops [N, 378, 378, 3] uint8 -> features [N, 729, enc_dim] (after the final LayerNorm); attention: the
+    `vision_attention` implementation."""
     v, p = cfg.vision, params["vision"]
     dtype = dtype or p["patch_w"].dtype
     x = _linear(patches(crops, v.patch_size).astype(dtype), p["patch_w"], p["patch_b"]) + p["pos"].astype(dtype)
@@ -270,9 +283,7 @@ def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=
     def block(x, w):
         h = layer_norm(x, w["ln1_w"], w["ln1_b"], v.ln_eps)
         q, k, vv = (a.reshape(N, T, H, E // H) for a in jnp.split(_linear(h, w["wqkv"], w["bqkv"]), 3, axis=-1))
-        s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * ((E // H) ** -0.5)
-        a = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(s, axis=-1).astype(dtype), vv,
-                       preferred_element_type=jnp.float32).astype(dtype)
+        a = vision_attention(q, k, vv, attention)
         x = x + _linear(a.reshape(N, T, E), w["wo"], w["bo"])
         h = layer_norm(x, w["ln2_w"], w["ln2_b"], v.ln_eps)
         return x + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"]), None
@@ -352,10 +363,10 @@ def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, posi
 
 
 def encode_into_cache(params: Params, cfg: MoondreamConfig, slot: jax.Array, crops: jax.Array, pool_rows: jax.Array,
-                      pool_cols: jax.Array) -> Params:
+                      pool_cols: jax.Array, attention: str = "xla") -> Params:
     """The vision step: encode one image's crops (padded to a bucket: padding crops have zero pooling weights) and
     write its projected embeddings into `params["image_cache"][slot]`. Returns params (the engine donates them)."""
-    feats = vision_encode(params, cfg, crops, dtype=params["image_cache"].dtype)
+    feats = vision_encode(params, cfg, crops, dtype=params["image_cache"].dtype, attention=attention)
     emb = vision_project(params, cfg, feats, pool_rows, pool_cols)
     cache = jax.lax.dynamic_update_slice(params["image_cache"], emb[None].astype(params["image_cache"].dtype),
                                          (slot, 0, 0))

@@ -12,9 +12,11 @@ sliding_window, eos_token_ids: a `ModelConfig` with architecture="custom" has th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jphoton.models import llama, moe, moondream, tensor_parallel
@@ -122,13 +124,21 @@ def rebuild(config: ModelConfig, params, recipe: dict, tp=None, forward_cfg: Mod
 
 
 def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, name: str = "",
-                     image_slots: int = 32, matmul: str = "auto", unroll_layers: bool = False) -> JaxModel:
+                     image_slots: int = 32, matmul: str = "auto", unroll_layers: bool = False,
+                     vision_attention: str = "auto") -> JaxModel:
     """Moondream 2 (models/moondream.py) for the engine: its text decoder as forward / logits, its vision encoder as
     `Vision`; `image_slots` images' embeddings stay on the device (the image cache: a repeated image skips the
     encoder). matmul: the text layers' weight products (models/matmul.py; its kind or a hook); unroll_layers: the
-    text layers unrolled over per-layer params (`moondream.serving_layout`)."""
+    text layers unrolled over per-layer params (`moondream.serving_layout`); vision_attention: "xla", "cudnn" or
+    "auto" (cuDNN's flash attention on a GPU with 16-bit weights, else the plain einsums)."""
     t, v = config.text, config.vision
     dtype = params["text"]["embed"].dtype
+    if vision_attention == "auto":
+        on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+        vision_attention = "cudnn" if on_gpu else "xla"
+    if vision_attention not in ("xla", "cudnn"):
+        raise ValueError(f"vision_attention must be 'auto', 'xla' or 'cudnn', got {vision_attention!r}")
+    logging.getLogger("jphoton").info("Moondream vision attention: %s", vision_attention)
     params = {**params, "image_cache": jnp.zeros((image_slots, v.grid ** 2, t.dim), dtype)}
     if unroll_layers:
         params = moondream.serving_layout(params)
@@ -146,7 +156,7 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
         return moondream.text_logits(params, config, hidden)
 
     def encode(params, slot, crops, rows, cols):
-        return moondream.encode_into_cache(params, config, slot, crops, rows, cols)
+        return moondream.encode_into_cache(params, config, slot, crops, rows, cols, vision_attention)
 
     vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
