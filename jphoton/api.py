@@ -108,6 +108,7 @@ class LLM:
                                           unroll_layers=cfg.kernels.unroll_layers,
                                           vision_attention="auto" if cfg.kernels.attention in ("auto", "pallas")
                                           else "xla")
+            del params  # (the serving layout's copies replace the loaded arrays: free them now)
         else:
             k = cfg.kernels
             # random weights are made in the serving layout, on their shards (a model larger than one device)

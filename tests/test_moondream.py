@@ -204,5 +204,20 @@ def test_gemv_products_match_xla(models, n):
         return np.asarray(text_forward(p, cfg, tokens, pos, (cache, cache, pos, n), dense_attend(0), matmul=mm)[0])
 
     want = hidden(params, None)
-    got = hidden(serving_layout(params), XlaMatmul(dense_gemv=True, interpret=True))
+    serving = serving_layout(params)
+    assert "wqkv_fc1" in serving["text"]["layers"][0] and "wqkv" not in serving["text"]["layers"][0]
+    got = hidden(serving, XlaMatmul(dense_gemv=True, interpret=True))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_serving_layout_vision_matches_stacked(models):
+    """The serving layout's vision encoder (per-layer params, unrolled) equals the scan over the stacked layers."""
+    from jphoton.models.moondream import serving_layout, vision_encode
+
+    cfg, params, _ = models["a"]
+    S = cfg.vision.crop_size
+    crops = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, S, S, 3)), jnp.uint8)
+    serving = serving_layout(params)
+    assert isinstance(serving["vision"]["layers"], tuple) and len(serving["vision"]["layers"]) == cfg.vision.n_layers
+    np.testing.assert_allclose(np.asarray(vision_encode(serving, cfg, crops)), np.asarray(vision_encode(params, cfg, crops)),
+                               rtol=2e-5, atol=2e-5)

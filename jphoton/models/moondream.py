@@ -158,18 +158,37 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
 
 def serving_layout(params: Params) -> Params:
     """The layout the engine serves on the GPU (models/llama.py `unstack_layers` explains why): the text layers'
-    matrices as a tuple of per-layer dicts, their vectors (norms, biases) kept as [L, X] stacks in
-    `params["text"]["layer_vectors"]` (fewer arguments per step). Already per-layer params come back unchanged."""
-    text = params["text"]
+    matrices as a tuple of per-layer dicts, the two products of the block's one LayerNorm output fused into one,
+    `wqkv_fc1` = [wqkv | fc1] (one weight read, one kernel; left apart, XLA merges the two dots by concatenating the
+    weights on every step), their vectors (norms, biases; `bqkv_b1` likewise) kept as [L, X] stacks in
+    `params["text"]["layer_vectors"]` (fewer arguments per step); the vision layers as a tuple of per-layer dicts (a
+    scan over stacked layers copies each layer's weights out of the stack). Already serving params come back
+    unchanged."""
+    text, vision = params["text"], params["vision"]
     if isinstance(text["layers"], tuple):
         return params
-    stacks = text["layers"]
-    n = next(iter(stacks.values())).shape[0]
+    stacks = dict(text["layers"])
+    stacks["wqkv_fc1"] = _concat_last(stacks.pop("wqkv"), stacks.pop("fc1"))
+    stacks["bqkv_b1"] = _concat_last(stacks.pop("bqkv"), stacks.pop("b1"))
     matrices = {k: a for k, a in stacks.items() if a.ndim == 3}
-    split = {k: (list(a) if isinstance(a, np.ndarray) else _split_leading(a)) for k, a in matrices.items()}
-    layers = tuple({k: split[k][i] for k in matrices} for i in range(n))
     vectors = {k: a for k, a in stacks.items() if a.ndim == 2}
-    return {**params, "text": {**text, "layers": layers, "layer_vectors": vectors}}
+    return {**params, "text": {**text, "layers": _per_layer(matrices), "layer_vectors": vectors},
+            "vision": {**vision, "layers": _per_layer(vision["layers"])}}
+
+
+def _per_layer(stacks: dict) -> tuple[dict, ...]:
+    n = next(iter(stacks.values())).shape[0]
+    split = {k: (list(a) if isinstance(a, np.ndarray) else _split_leading(a)) for k, a in stacks.items()}
+    return tuple({k: split[k][i] for k in stacks} for i in range(n))
+
+
+def _concat_last(a, b):
+    return np.concatenate([a, b], axis=-1) if isinstance(a, np.ndarray) else _concat_jit(a, b)
+
+
+@jax.jit
+def _concat_jit(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, b], axis=-1)
 
 
 @jax.jit
@@ -199,10 +218,14 @@ def text_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positi
                     ).astype(v.dtype)
 
         h = layer_norm(x, vec["ln_w"], vec["ln_b"], t.ln_eps)
-        q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(linear(h, "wqkv", "bqkv"), 3, axis=-1))
+        if "wqkv_fc1" in lp:  # (serving_layout) one product for both branches
+            qkv, f = jnp.split(linear(h, "wqkv_fc1", "bqkv_b1"), [3 * t.dim], axis=-1)
+        else:
+            qkv, f = linear(h, "wqkv", "bqkv"), linear(h, "fc1", "b1")
+        q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(qkv, 3, axis=-1))
         o, kv = attend(rope(q, positions, t), rope(k, positions, t), v, kv, i)
         a = linear(o.reshape(-1, t.dim), "wo", "bo")
-        f = jax.nn.gelu(linear(h, "fc1", "b1").astype(jnp.float32), approximate=True).astype(x.dtype)
+        f = jax.nn.gelu(f.astype(jnp.float32), approximate=True).astype(x.dtype)
         return x + a + linear(f, "fc2", "b2"), kv
 
     layers = params["text"]["layers"]
@@ -288,7 +311,11 @@ def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=
         h = layer_norm(x, w["ln2_w"], w["ln2_b"], v.ln_eps)
         return x + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"]), None
 
-    x, _ = jax.lax.scan(block, x, p["layers"])
+    if isinstance(p["layers"], tuple):  # (serving_layout) unrolled over per-layer params
+        for w in p["layers"]:
+            x, _ = block(x, w)
+    else:
+        x, _ = jax.lax.scan(block, x, p["layers"])
     return layer_norm(x, p["post_ln_w"], p["post_ln_b"], v.ln_eps)
 
 
