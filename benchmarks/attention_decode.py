@@ -113,6 +113,10 @@ def time_path(fn, q, k_pool, v_pool, tables, ctx_len, layers: int, budget_s: flo
 
 def run(args) -> dict:
     s = SMOKE_SHAPE if args.smoke else SHAPE
+    if args.heads:
+        s = {**s, "Hq": args.heads[0], "Hkv": args.heads[1]}
+    configs = {f"pallas {c}": pda.PagedDecodeConfig(*map(int, c.split(":"))) for c in args.configs}
+    timed = [*args.paths, *configs]
     batches = args.batch or ((1, 2) if args.smoke else BATCHES)
     contexts = args.ctx or ((16, 40) if args.smoke else CONTEXTS)
     layers = s["layers"]
@@ -144,10 +148,11 @@ def run(args) -> dict:
                 rows.append(row)
                 continue
             fns = path_fns(s, ctx)
+            fns.update({name: path_fns(s, ctx, cfg)["pallas"] for name, cfg in configs.items()})
             outs = {}
-            for name in ["reference", *[p for p in args.paths if p != "reference"]]:  # the reference first
+            for name in ["reference", *[p for p in timed if p != "reference"]]:  # the reference first
                 try:
-                    if name not in args.paths:  # not timed: its output only
+                    if name not in timed:  # not timed: its output only
                         outs[name] = np.asarray(jax.jit(fns[name], static_argnums=3)(
                             q, k_pool, v_pool, min(ERR_LAYER, layers - 1), tables[0], ctx_len), np.float32)
                         continue
@@ -184,7 +189,8 @@ def _print_row(row: dict) -> None:
 
 
 def _print_table(rows: list[dict], bw: float) -> None:
-    paths = sorted({k for r in rows for k in r["paths"]}, key=["pallas", "static", "reference"].index)
+    order = ["pallas", "static", "reference"]
+    paths = sorted({k for r in rows for k in r["paths"]}, key=lambda p: (order.index(p) if p in order else 3, p))
     head = f"{'B':>4} {'ctx':>5} " + " ".join(f"{p + ' us':>13} {'GB/s':>7} {'%bw':>5} {'err':>8}" for p in paths)
     print("\n" + head + f" {'pallas vs static':>16}")
     for r in rows:
@@ -212,6 +218,11 @@ def main(argv=None):
     ap.add_argument("--time-per-path", type=float, default=0.3, help="seconds of timed calls per path and case")
     ap.add_argument("--max-reps", type=int, default=200)
     ap.add_argument("--max-pool-gib", type=float, default=40.0, help="skip cases whose KV pool is larger")
+    ap.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"), default=None,
+                    help="query and KV heads (default 32 8, Llama-3.2-1B; Moondream 2: 32 32)")
+    ap.add_argument("--configs", nargs="+", default=[], metavar="B:W:S:X",
+                    help="the kernel also with these configs (block_tokens:num_warps:num_stages:splits), timed beside"
+                         " its default")
     args = ap.parse_args(argv)
     if QUICK:
         args.batch, args.ctx, args.time_per_path = args.batch or [1, 32], args.ctx or [512, 8192], 0.1

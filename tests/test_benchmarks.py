@@ -135,9 +135,12 @@ def test_kernel_profile():
 def test_attention_decode():
     from benchmarks.attention_decode import main
 
-    result = main(["--smoke", "--batch", "1", "--ctx", "16"])
+    result = main(["--smoke", "--batch", "1", "--ctx", "16", "--configs", "16:2:2:2"])
     (row,) = result["rows"]
     assert row["paths"]["pallas"]["max_abs_err"] < 1e-3 and row["paths"]["static"]["max_abs_err"] < 1e-3
+    assert row["paths"]["pallas 16:2:2:2"]["max_abs_err"] < 1e-3
+    mha = main(["--smoke", "--batch", "2", "--ctx", "16", "--heads", "4", "4", "--paths", "pallas", "reference"])
+    assert mha["shape"]["Hkv"] == "4" and mha["rows"][0]["paths"]["pallas"]["max_abs_err"] < 1e-3
 
 
 def test_moe_layer_and_e2e():
