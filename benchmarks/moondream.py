@@ -17,6 +17,7 @@ The text prompts are kestrel's: random words `w<id>` of the checkpoint's word-le
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import io
 import json
@@ -96,7 +97,20 @@ def concurrent_text(llm, n: int, prompt_words: int, out_tokens: int, rng: random
                 first[o.request_id] = time.perf_counter() - t
     wall = time.perf_counter() - t
     return {"concurrency": n, "out_tokens_total": out, "wall_s": round(wall, 3), "out_tok_per_s": round(out / wall, 1),
-            "ttft_ms_p50": round(1e3 * statistics.median(first.values()), 2)}
+            "ttft_ms_p50": round(1e3 * statistics.median(first.values()), 2),
+            "steps": step_breakdown([r for r in llm.engine.telemetry.records if r.t_plan >= t])}
+
+
+def step_breakdown(records) -> dict:
+    """The run's steps from the engine's telemetry: how many of each kind, the seconds until the last step holding
+    prompt tokens was done (the prefill phase), and the p50 gap between consecutive steps' results in the decode-only
+    phase after it (the device's step time when the device is the bottleneck)."""
+    kinds = collections.Counter(r.kind for r in records)
+    last_prefill = max((r.t_ready for r in records if r.kind != "decode"), default=records[0].t_plan if records else 0)
+    ready = sorted(r.t_ready for r in records if r.kind == "decode" and r.t_ready > last_prefill)
+    gaps = [b - a for a, b in zip(ready, ready[1:])]
+    return {"count": dict(kinds), "prefill_phase_s": round(last_prefill - records[0].t_plan, 3) if records else 0,
+            "decode_gap_ms_p50": round(1e3 * statistics.median(gaps), 3) if gaps else None}
 
 
 def measure(llm, args, out_file, rng: random.Random, tag: str) -> None:
