@@ -108,7 +108,7 @@ def step_breakdown(records) -> dict:
     kinds = collections.Counter(r.kind for r in records)
     last_prefill = max((r.t_ready for r in records if r.kind != "decode"), default=records[0].t_plan if records else 0)
     ready = sorted(r.t_ready for r in records if r.kind == "decode" and r.t_ready > last_prefill)
-    gaps = [b - a for a, b in zip(ready, ready[1:])]
+    gaps = [b - a for a, b in zip(ready, ready[1:], strict=False)]
     return {"count": dict(kinds), "prefill_phase_s": round(last_prefill - records[0].t_plan, 3) if records else 0,
             "decode_gap_ms_p50": round(1e3 * statistics.median(gaps), 3) if gaps else None}
 
