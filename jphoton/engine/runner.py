@@ -198,7 +198,8 @@ class Runner:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
 
         slot = self.slots[0]
-        self._step_specs = (jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv), spec(slot.tokens),
+        self._param_specs = jax.tree.map(spec, self.params)
+        self._step_specs = (jax.tree.map(spec, self.text_params()), jax.tree.map(spec, self.kv), spec(slot.tokens),
                             spec(slot.tokens), spec(slot.logits),
                             jax.ShapeDtypeStruct((self.packed_size,), jnp.int32, sharding=on_device),
                             jax.tree.map(spec, self.lora_weights))
@@ -241,12 +242,18 @@ class Runner:
             blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks)
             index = jax.ShapeDtypeStruct((), jnp.int32)
             self._write_lora.lower(self._step_specs[-1], index, blocks).compile()
-            self._write_inline.lower(self._step_specs[0], index, blocks).compile()
+            self._write_inline.lower(self._param_specs, index, blocks).compile()
 
     def lower_vision(self, bucket: int):
         """The vision step for `bucket` crops, lowered (`.compile()` it; the engine uses it once `vision_ready` holds
         the bucket)."""
-        return self._encode_image.lower(self._step_specs[0], *self._image_specs(bucket))
+        return self._encode_image.lower(self._param_specs, *self._image_specs(bucket))
+
+    def text_params(self):
+        """The params the steps read: all of them, or for a model with an image encoder the top-level entries its text
+        steps use (models/protocol.py `Vision.text_keys`; every leaf passed costs the step's dispatch time)."""
+        keys = self.vision.text_keys if self.vision is not None else ()
+        return {k: self.params[k] for k in keys} if keys else self.params
 
     def compile_vision(self, bucket: int) -> None:
         self.lower_vision(bucket).compile()
@@ -524,10 +531,10 @@ class Runner:
             lora_weights = self.lora_weights if lora else None
             if filtered and self.automaton is not None:
                 slot.tokens, slot.logits, self.kv, slot.states = step(
-                    self.params, self.kv, self._prev_tokens, slot.tokens, slot.logits, packed, lora_weights,
+                    self.text_params(), self.kv, self._prev_tokens, slot.tokens, slot.logits, packed, lora_weights,
                     (*self.automaton, self._prev_states), slot.states)
             else:
-                slot.tokens, slot.logits, self.kv = step(self.params, self.kv, self._prev_tokens, slot.tokens,
+                slot.tokens, slot.logits, self.kv = step(self.text_params(), self.kv, self._prev_tokens, slot.tokens,
                                                          slot.logits, packed, lora_weights, None, None)
         if record is not None:
             record.t_dispatched = time.perf_counter()

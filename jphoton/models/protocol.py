@@ -69,6 +69,9 @@ class Vision:
     overlap_margin: int
     max_crops: int
     encode: Callable
+    # the top-level params entries forward / logits read (the text steps get only these: each leaf passed costs
+    # dispatch time, and the encoder's layers are hundreds of leaves); () = all
+    text_keys: tuple[str, ...] = ()
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -160,6 +163,6 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
 
     vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
-                    max_crops=v.max_crops, encode=encode)
+                    max_crops=v.max_crops, encode=encode, text_keys=("text", "image_cache"))
     return JaxModel(mc, params, forward, logits, tokenizer=tokenizer, name=name or config.name, vision=vision,
                     decode_banned_tokens=(config.answer_id,), min_decode_rows=mm.min_rows)
