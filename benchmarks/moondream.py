@@ -103,14 +103,22 @@ def concurrent_text(llm, n: int, prompt_words: int, out_tokens: int, rng: random
 
 def step_breakdown(records) -> dict:
     """The run's steps from the engine's telemetry: how many of each kind, the seconds until the last step holding
-    prompt tokens was done (the prefill phase), and the p50 gap between consecutive steps' results in the decode-only
-    phase after it (the device's step time when the device is the bottleneck)."""
+    prompt tokens was done (the prefill phase), and for the decode-only phase after it: the p50 gap between consecutive
+    steps' results (the device's step time if the device is the bottleneck), the host's p50 ms per tick in planning,
+    launching and committing, and how long a commit waited for its step's result (~0: the host is the bottleneck)."""
     kinds = collections.Counter(r.kind for r in records)
     last_prefill = max((r.t_ready for r in records if r.kind != "decode"), default=records[0].t_plan if records else 0)
-    ready = sorted(r.t_ready for r in records if r.kind == "decode" and r.t_ready > last_prefill)
-    gaps = [b - a for a, b in zip(ready, ready[1:], strict=False)]
+    decode = sorted((r for r in records if r.kind == "decode" and r.t_ready > last_prefill), key=lambda r: r.t_ready)
+    gaps = [b.t_ready - a.t_ready for a, b in zip(decode, decode[1:], strict=False)]
+
+    def p50(f):
+        return round(1e3 * statistics.median(f(r) for r in decode), 3) if decode else None
+
     return {"count": dict(kinds), "prefill_phase_s": round(last_prefill - records[0].t_plan, 3) if records else 0,
-            "decode_gap_ms_p50": round(1e3 * statistics.median(gaps), 3) if gaps else None}
+            "decode_gap_ms_p50": round(1e3 * statistics.median(gaps), 3) if gaps else None,
+            "host_ms_p50": {"plan": p50(lambda r: r.t_planned - r.t_plan), "launch": p50(lambda r: r.t_launched - r.t_launch),
+                            "commit": p50(lambda r: r.t_committed - r.t_ready)},
+            "commit_wait_ms_p50": p50(lambda r: r.t_ready - r.t_commit)}
 
 
 def measure(llm, args, out_file, rng: random.Random, tag: str) -> None:

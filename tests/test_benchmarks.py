@@ -253,7 +253,7 @@ def test_moondream_rows_variant_and_report(tmp_path):
     assert [r["engine"] for r in by["decode_b1"]] == ["jphoton", 'jphoton {"matmul": "xla"}']
     assert all(r["ms_per_token_p50"] > 0 for r in by["decode_b1"])
     steps = by["throughput_text"][0]["steps"]
-    assert steps["count"]["decode"] > 0 and steps["prefill_phase_s"] > 0, steps
+    assert steps["count"]["decode"] > 0 and steps["prefill_phase_s"] > 0 and steps["host_ms_p50"]["launch"] > 0, steps
     image = by["image_query"][0]
     assert image["repeat_image"]["ttft_ms"] > 0 and image["image_cache_hits"] >= 1 and image["prefix_hit_tokens"] > 0
     assert by["serving"][0]["kv_pages_leaked"] == 0  # (compiles_while_serving: the smoke engine compiles on use)
