@@ -51,9 +51,11 @@ def overlap_crops(pixels: np.ndarray, crop_size: int = 378, patch: int = 14, mar
     th, tw = tiling_for(H, W, crop_size, patch, margin, max_crops)
     crops = np.zeros((th * tw + 1, crop_size, crop_size, 3), np.uint8)
     img = Image.fromarray(pixels)
-    resized = np.asarray(img.resize((tw * window + 2 * margin_px, th * window + 2 * margin_px),
-                                    resample=Image.Resampling.LANCZOS))
     crops[0] = np.asarray(img.resize((crop_size, crop_size), resample=Image.Resampling.LANCZOS))
+    size = (tw * window + 2 * margin_px, th * window + 2 * margin_px)
+    # one local crop the size of a crop (a 1x1 tiling): the same resize as the global view's
+    resized = crops[0] if size == (crop_size, crop_size) else np.asarray(img.resize(size,
+                                                                                 resample=Image.Resampling.LANCZOS))
     for i in range(th):
         for j in range(tw):
             region = resized[i * window: i * window + crop_size, j * window: j * window + crop_size]
