@@ -76,7 +76,7 @@ class Sequence:
         self.prefill_target = 0  # tokens to prefill on (re)admission: every token known on the host then
         self.inflight_refs = 0  # launched, uncommitted steps that contain this sequence (0, 1 or 2)
         self.pending_samples = 0  # sampled tokens still on the device (launched, not yet committed)
-        self.sample_flags = 0  # what its rows ask of a step (engine/scheduler.py row_flags; set by Scheduler.add)
+        self.sample_flags = 0  # what its rows ask of a step (engine/plan.py row_flags; set by Scheduler.add)
         self.admitted_at = -1  # admission order, for FIFO fairness and last-in-first-out preemption
         self.last_sample = (-1, -1)  # (step id, output row) of the latest launched sample: where a carry-over reads
         self.lora_slot = -1  # the LoRA adapter's device slot (engine/loras.py), -1: the base model

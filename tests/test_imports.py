@@ -15,7 +15,7 @@ PACKAGES = ("jphoton", "pallas_kernels")
 
 # Modules the scheduler, the request path and the server's validation use: they must stay free of jax (and of the
 # device), so that they load fast and can be tested and reused without an accelerator stack.
-JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
+JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.plan", "jphoton.engine.pages", "jphoton.sequence", "jphoton.params",
             "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
             "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config", "jphoton.engine.driver",
             "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire", "jphoton.image.decode", "jphoton.image",

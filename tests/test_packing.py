@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jphoton.engine.packing import StepPacker
-from jphoton.engine.scheduler import DecodeRows, Row, StepPlan
+from jphoton.engine.plan import DecodeRows, Row, StepPlan
 from jphoton.engine.step import StepShape, StepStatic
 
 STATIC = StepStatic(pages_per_seq=16, page_size=4, pages_per_block=4, trash_page=999, max_rows=8, sliding_window=None,

@@ -15,7 +15,7 @@ import pytest
 from jphoton import SamplingParams
 from jphoton.engine import compiles, warmup
 from jphoton.engine.config import EngineConfig, Kernels
-from jphoton.engine.scheduler import SchedulerConfig, StepShape
+from jphoton.engine.plan import SchedulerConfig, StepShape
 from jphoton.engine.warmup import Warmup, background_order, first_shapes
 
 from conftest import FIXTURES, make_llm, tiny_reference

@@ -7,7 +7,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from jphoton.engine.scheduler import SchedulerConfig
+from jphoton.engine.plan import SchedulerConfig
 
 FIRST_CONTEXT_TOKENS = 128  # the smallest context bucket (prefill rows attend over at least this many tokens)
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer context is opt-in (max_model_len=): it widens every block table

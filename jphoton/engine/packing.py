@@ -8,8 +8,8 @@ import itertools
 
 import numpy as np
 
+from jphoton.engine.plan import DecodeRows, StepPlan, StepShape
 from jphoton.engine.sampling import seed_key_data
-from jphoton.engine.scheduler import DecodeRows, StepPlan, StepShape
 from jphoton.engine.slots import StepInput
 from jphoton.engine.step import AUTOMATON_ADVANCE, AUTOMATON_CARRIED, AUTOMATON_GIVEN, StepLayout, StepStatic
 

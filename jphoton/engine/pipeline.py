@@ -44,8 +44,9 @@ from jphoton.engine.images import ImageSlots, placeholder_tokens
 from jphoton.engine.lifecycle import Lifecycle
 from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
+from jphoton.engine.plan import CONSTRAINED, LOGPROBS, StepPlan
 from jphoton.engine.runner import Runner
-from jphoton.engine.scheduler import CONSTRAINED, LOGPROBS, Scheduler, StepPlan
+from jphoton.engine.scheduler import Scheduler
 from jphoton.engine.slots import NONFINITE, NONFINITE_ERROR, DecodeSlot, PlannedStep, StepResult
 from jphoton.engine.telemetry import StepRecord, Telemetry
 from jphoton.sequence import RequestOutput, Sequence

@@ -24,8 +24,8 @@ from jphoton.constrain.compiler import mask_words
 from jphoton.engine import sharded
 from jphoton.engine.config import EngineConfig
 from jphoton.engine.packing import StepPacker
+from jphoton.engine.plan import CONSTRAINED, FILTERS, LOGPROBS, LORA, StepPlan, StepShape
 from jphoton.engine.sampling import seed_key_data
-from jphoton.engine.scheduler import CONSTRAINED, FILTERS, LOGPROBS, LORA, StepPlan, StepShape
 from jphoton.engine.slots import DecodeSlot, PlannedStep, SamplerInput, SamplerVariant, StepInput, StepResult
 from jphoton.engine.step import (
     SAMPLER_ROW_FIELDS,

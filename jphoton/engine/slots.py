@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jphoton.engine.scheduler import StepPlan, StepShape
+from jphoton.engine.plan import StepPlan, StepShape
 from jphoton.engine.telemetry import StepRecord
 
 # The token a step writes for a row whose logits are not finite (engine/step.py mark_nonfinite): the commit ends that

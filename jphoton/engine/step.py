@@ -19,8 +19,8 @@ import numpy as np
 
 from jphoton.constrain.choice import FORCED_SET
 from jphoton.engine.attention import paged_attention, paged_attention_static, token_slots
+from jphoton.engine.plan import StepShape
 from jphoton.engine.sampling import sample, sample_plain, top_logprobs
-from jphoton.engine.scheduler import StepShape
 from jphoton.engine.slots import NONFINITE
 from jphoton.models.lora import LoraInputs
 

@@ -24,7 +24,8 @@ import weakref
 
 from jphoton.engine import compile_worker
 from jphoton.engine.config import WARMUP, EngineConfig
-from jphoton.engine.scheduler import Scheduler, StepShape
+from jphoton.engine.plan import StepShape
+from jphoton.engine.scheduler import Scheduler
 
 log = logging.getLogger("jphoton.engine")
 
