@@ -155,16 +155,20 @@ def test_bad_moe_backend_is_a_value_error():
 
 
 def make_problem(T, E, K, D, F, dtype=jnp.bfloat16, layers=1, pool=None, seed=0):
-    """Random weights scaled to unit-ish outputs; top-k ids drawn from a pool of `pool` experts so rows repeat them."""
-    ks = jax.random.split(jax.random.key(seed), 6)
-    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(dtype)
-    wg = (jax.random.normal(ks[1], (layers, E, F, D)) * D ** -0.5).astype(dtype)
-    wu = (jax.random.normal(ks[2], (layers, E, F, D)) * D ** -0.5).astype(dtype)
-    wd = (jax.random.normal(ks[3], (layers, E, D, F)) * F ** -0.5).astype(dtype)
-    pool = pool or E
-    choice = jnp.argsort(jax.random.uniform(ks[4], (T, pool)), axis=1)[:, :K]
-    ids = jax.random.permutation(ks[5], E)[:pool][choice].astype(jnp.int32)
-    w = jax.nn.softmax(jax.random.normal(ks[5], (T, K)), axis=-1)
+    """Random weights scaled to unit-ish outputs; top-k ids drawn from a pool of `pool` experts so rows repeat them.
+    (Drawn with numpy: each jax.random draw of a new shape is a compile, ~0.3 s on the CI box.)"""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, scale=1.0):
+        return jnp.asarray((rng.standard_normal(shape, np.float32) * np.float32(scale))).astype(dtype)
+
+    x = normal((T, D))
+    wg, wu = normal((layers, E, F, D), D ** -0.5), normal((layers, E, F, D), D ** -0.5)
+    wd = normal((layers, E, D, F), F ** -0.5)
+    choice = np.argsort(rng.random((T, pool or E)), axis=1)[:, :K]
+    ids = jnp.asarray(rng.permutation(E)[:pool or E][choice], jnp.int32)
+    logits = rng.standard_normal((T, K))
+    w = jnp.asarray(np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True), jnp.float32)
     return x, ids, w, wg, wu, wd
 
 
