@@ -26,8 +26,8 @@ def _random(cfg):
     params = random_params(cfg, jnp.float32, seed=int(np.random.default_rng().integers(1 << 30)))
     # non-zero biases and norms, so that the fused biases are exercised too
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [a + 0.05 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)]
+    rng = np.random.default_rng(1)  # (numpy: each new jax.random shape is a compile)
+    leaves = [a + jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype) for a in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -105,9 +105,9 @@ def test_fused_params_and_matmul_hooks_match_the_unfused_xla_forward(tie):
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 2)])
 def test_two_row_dot_matches_plain_dot(lead):
     """The one-token padding of the "xla" kind: same product, same shape, for one row and for several."""
-    kx, kw = jax.random.split(jax.random.key(len(lead) * 10 + lead[-1]))
-    x = jax.random.normal(kx, (*lead, 48), jnp.float32)
-    w = jax.random.normal(kw, (4, 48, 40), jnp.float32)
+    rng = np.random.default_rng(len(lead) * 10 + lead[-1])
+    x = jnp.asarray(rng.standard_normal((*lead, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 48, 40)), jnp.float32)
     out = jax.jit(lambda x, w: XlaMatmul()(x, w[2]))(x, w)
     assert out.shape == (*lead, 40)
     np.testing.assert_allclose(out, x @ w[2], rtol=1e-5, atol=1e-5)
