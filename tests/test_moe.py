@@ -160,7 +160,7 @@ def make_problem(T, E, K, D, F, dtype=jnp.bfloat16, layers=1, pool=None, seed=0)
     rng = np.random.default_rng(seed)
 
     def normal(shape, scale=1.0):
-        return jnp.asarray((rng.standard_normal(shape, np.float32) * np.float32(scale))).astype(dtype)
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(scale)).astype(dtype)
 
     x = normal((T, D))
     wg, wu = normal((layers, E, F, D), D ** -0.5), normal((layers, E, F, D), D ** -0.5)
