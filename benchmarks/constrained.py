@@ -214,9 +214,9 @@ def _masks(llm, path: str, params: SamplingParams):
 
 def export_tokenizer(path: str) -> None:
     """Write the embedded model's tokenizer (SmolLM2's) to `path` (needs the embedded model installed)."""
-    from jphoton.weights import load_model
+    from jphoton.weights import load_tokenizer
 
-    load_model(None, None).tokenizer.save(pathlib.Path(path))
+    load_tokenizer(None).save(pathlib.Path(path))
     print(f"wrote the embedded model's tokenizer to {path}", flush=True)
 
 

@@ -67,6 +67,26 @@ def test_tokenizer_rebuilt_from_gguf_metadata(tmp_path, tiny_models):
     assert g.tokenizer.encode_chat(ref["conversation"]) == ref["chat_ids"]
 
 
+def test_load_tokenizer_reads_no_weights(tmp_path, tiny_models, monkeypatch):
+    """`load_tokenizer`: a GGUF's tokenizer from its metadata, or from a cached conversion once there is one (the file
+    is not opened again); a HF directory's; none for random weights."""
+    from jphoton.weights import gguf_file, load_tokenizer, store
+
+    monkeypatch.setattr(store, "cache_dir", lambda: tmp_path / "converted")
+    hf_model = tiny_models("llama2")
+    path = tmp_path / "tok.gguf"
+    write_llama_gguf(path, hf_model.config, hf_model.params, tokenizer_dir=FIXTURES / "tiny" / "llama3")
+    ref = json.loads((FIXTURES / "tiny" / "llama3" / "tokenizer_reference.json").read_text())
+    from_metadata = load_tokenizer(path)
+    load_model(path, "bfloat16")  # caches a conversion (bf16: any dtype's serves)
+    monkeypatch.setattr(gguf_file, "open_gguf", lambda p: pytest.fail("opened the GGUF file again"))
+    for tok in (from_metadata, load_tokenizer(path), load_tokenizer(FIXTURES / "tiny" / "llama3")):
+        assert [tok.encode(t) for t in ref["texts"]] == ref["text_ids"]
+    assert load_tokenizer("random:smollm2-135m:layers=1") is None
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.gguf")
+
+
 def test_second_load_of_a_gguf_hits_the_conversion_cache(tmp_path, tiny_models, monkeypatch):
     monkeypatch.setenv("JPHOTON_CACHE_DIR", str(tmp_path / "cache"))
     hf_model = tiny_models("llama2")

@@ -111,6 +111,28 @@ def load_model(source: str | pathlib.Path | None = None, dtype=None, *, cache: b
     return LoadedModel(cfg, params, tok, name, dt, kind)
 
 
+def load_tokenizer(source: str | pathlib.Path | None = None) -> Tokenizer | None:
+    """A model source's tokenizer without its weights (None for `random:` sources and models without one): from a
+    cached conversion of a GGUF file if there is one (any dtype), else from the file's metadata."""
+    if isinstance(source, str) and source.startswith("random:"):
+        return None
+    path = embedded_model_path() if source is None or source == "embedded" else pathlib.Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    if store.is_store(path) or (path.is_file() and _is_gguf(path)):
+        stores = [path] if store.is_store(path) else [store.cache_dir() / store.cache_key(path, d)
+                                                       for d in ("float32", "bfloat16", "float16")]
+        for s in stores:
+            if store.is_store(s):
+                return Tokenizer.from_hf_dir(s / "tokenizer") if (s / "tokenizer").is_dir() else None
+        from jphoton.weights import gguf_file
+
+        return gguf_file.read_tokenizer(gguf_file.open_gguf(path))
+    if hf.is_hf_dir(path):
+        return Tokenizer.from_hf_dir(path)
+    raise ValueError(f"{path}: unrecognised model source (expected a .gguf file, a HF directory or a jphoton store)")
+
+
 def _check_mesh(cfg: ModelConfig, mesh) -> None:
     """A clear error before any weight is made if the model does not shard over the mesh."""
     if mesh is not None:

@@ -15,7 +15,7 @@ sys.path.insert(0, __file__.rsplit("/", 3)[0])
 
 from jphoton import SamplingParams  # noqa: E402
 from jphoton.sequence import Sequence  # noqa: E402
-from jphoton.weights import load_model  # noqa: E402
+from jphoton.weights import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=200)
     args = ap.parse_args()
-    tok = load_model(None, None).tokenizer  # the embedded model's
+    tok = load_tokenizer(None)  # the embedded model's
     ids = tok.encode("The quick brown fox jumps over the lazy dog, naïve café 日本語. " * 40)
     params = SamplingParams(max_tokens=10 * args.tokens, ignore_eos=True)
     best = float("inf")

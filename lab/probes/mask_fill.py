@@ -21,7 +21,7 @@ from llguidance.numpy import fill_next_token_bitmask_par  # noqa: E402
 
 from benchmarks.constrained import SCHEMA  # noqa: E402
 from jphoton.constrain.compiler import JSON_OPTIONS, mask_words  # noqa: E402
-from jphoton.weights import load_model  # noqa: E402
+from jphoton.weights import load_tokenizer  # noqa: E402
 
 DOCS = ['{"id":99999,"name":":","tags":["gamma"],"active":false,"address":{"city":":","zip":"99999"}}',
         '{"id":44444,"name":",:","tags":["beta"],"active":true,"address":{"city":",:","zip":"33333"}}',
@@ -41,7 +41,7 @@ def main() -> None:
 
         tok = Tokenizer.from_hf_dir(pathlib.Path(a.tokenizer))
     else:
-        tok = load_model(None, None).tokenizer
+        tok = load_tokenizer(None)
     try:
         lltok = llguidance.LLTokenizer(tok.hf_json(), n_vocab=VOCAB, eos_token=[0])
     except TypeError:  # llguidance <= 1.6
