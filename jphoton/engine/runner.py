@@ -286,7 +286,7 @@ class Runner:
     def _zeros(self, shape, dtype, sharding=None) -> jax.Array:
         if self.abstract:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self._sharding)
-        return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding or self._sharding)()
+        return tensor_parallel.zeros(shape, dtype, sharding or self._sharding)
 
     def _put(self, host):
         if self.abstract:
@@ -639,13 +639,6 @@ class Runner:
         t0 = time.perf_counter()
         run(steps)
         return (time.perf_counter() - t0) / steps
-
-
-@functools.cache
-def _zeros_program(shape: tuple, dtype, sharding):
-    """A jitted zeros of one shape, dtype and placement, shared by every runner (an engine's buffers and the next
-    engine's are made by one compiled program per shape, not a compile each)."""
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 AUTOMATON_CHUNK = 32  # automaton rows a table write carries (one compiled shape)

@@ -190,6 +190,17 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def zeros(shape: tuple, dtype, sharding) -> jax.Array:
+    """Zeros made where `sharding` places them (each shard on its device; nothing built on the host first), by one
+    cached program per (shape, dtype, sharding): engine buffers and stacked random layers compile it once."""
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_fn(shape: tuple, dtype, sharding):
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
 def is_sharded(a) -> bool:
     """A device array split over a mesh of more than one device."""
     return (isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding) and a.sharding.mesh.size > 1

@@ -146,12 +146,7 @@ def _stack_buffer(part: jax.Array, layers: int) -> jax.Array:
     sharding = part.sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec, *([None] * (part.ndim - len(sharding.spec)))))
-    return _zeros_program((layers, *part.shape), part.dtype, sharding)()
-
-
-@functools.cache
-def _zeros_program(shape: tuple, dtype, sharding):  # one compile per stack shape, whichever model asks
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+    return tp.zeros((layers, *part.shape), part.dtype, sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
