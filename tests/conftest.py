@@ -101,10 +101,10 @@ def drop_compiled_programs(request):
 
     jax.clear_caches()
     _STALE_LLMS.extend(llm for llm in _SHARED_LLMS if llm not in _STALE_LLMS)
-    _return_freed_memory()
+    return_freed_memory()
 
 
-def _return_freed_memory():
+def return_freed_memory():
     """Hand the heap's free pages back to the OS (glibc keeps them otherwise: the process's RSS only grows, module
     after module, and the suite's peak is one worker's)."""
     gc.collect()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
-import gc
 import json
 import os
 import random
@@ -25,6 +23,8 @@ import pytest
 from jphoton.server import jphoton_pb2 as pb
 from jphoton.server import jphoton_pb2_grpc as pb_grpc
 from jphoton.server.app import serve
+
+from conftest import return_freed_memory
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,", "Dear diary, today"]
 OK = grpc.StatusCode.OK
@@ -71,11 +71,7 @@ def _hostile2(rng: random.Random, i: int):
 def _rss_bytes() -> int:
     """The process's resident memory after handing the heap's free pages back (glibc keeps freed pages in its arenas;
     the hostile requests' megabyte buffers, freed on gRPC threads, would otherwise show as growth that is not a leak)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    return_freed_memory()
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
