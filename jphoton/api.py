@@ -225,6 +225,8 @@ class LLM:
                       request_id: int | None = None) -> Sequence:
         """A query (text = the question) or caption (text = the length) request, validated, its image decoded and
         cropped (this thread does the work: call it off the engine's), not queued (`add_request` queues it)."""
+        if skill not in ("query", "caption"):  # (point / detect decode coordinates, not tokens: not served yet)
+            raise ValueError(f"unknown skill {skill!r}; expected 'query' or 'caption'")
         vision = self.model.vision
         if vision is None:
             raise ValueError(f"{skill}: model {self.model.name!r} takes no images (a Moondream checkpoint does)")

@@ -23,7 +23,13 @@ from tokenizers import Tokenizer
 from jphoton.engine import compiles
 from jphoton.image.crops import overlap_crops, pool_weights
 from jphoton.image.skills import skill_prompt
-from jphoton.models.moondream import generate_reference, vision_encode, vision_project
+from jphoton.models.moondream import (
+    generate_reference,
+    generate_spatial_reference,
+    spatial_objects,
+    vision_encode,
+    vision_project,
+)
 from jphoton.weights.moondream import read_checkpoint, to_device
 from jphoton.weights.store import cache_dir
 
@@ -33,6 +39,7 @@ mf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mf)
 
 FIX = json.loads((HERE / "fixtures.json").read_text())
+SPATIAL = json.loads((HERE / "spatial.json").read_text())  # point / detect (make_fixtures.py --spatial)
 FEATURES = np.load(HERE / "features.npz")
 IMAGES = mf.make_images()
 CASES = [(c, i) for c, entry in FIX["configs"].items() for i in entry["images"]]
@@ -128,6 +135,31 @@ def test_image_generation_matches_reference(models, embeds, config, image):
 def test_text_only_query_matches_reference(models, config):
     for gen in FIX["configs"][config]["text_only"]:
         _check_generation(models, config, gen, None, skill="query", question=gen["question"])
+
+
+@pytest.mark.parametrize(("case", "image"), [(c, i) for c, e in SPATIAL["cases"].items() for i in e["images"]])
+def test_point_and_detect_match_reference(models, embeds, case, image):
+    """The reference's point / detect: its prompt ids, its region heads' bins object by object (to the bin), the
+    number of objects (max_objects, or eos: one object, none), its normalized points and boxes."""
+    entry = SPATIAL["cases"][case]
+    cfg, params, tok = models[entry["config"]]
+    bias = params["text"]["lm_head_b"]
+    for t, add in entry["lm_head_bias"].items():  # (the fixture's checkpoint: the config's plus these, float32)
+        bias = bias.at[int(t)].add(np.float32(add))
+    params = {**params, "text": {**params["text"], "lm_head_b": bias}}
+    emb = embeds[(entry["config"], image)]
+    for run in entry["images"][image]:
+        prompt, span = skill_prompt(run["skill"], lambda s: tok.encode(s).ids, 729, with_image=True, obj=run["object"])
+        assert span == (1, 729) and run["pos"] == 730 and prompt[730:] == run["prompt"]
+        bins = generate_spatial_reference(params, cfg, run["prompt"], emb, include_size=run["skill"] == "detect",
+                                          max_objects=entry["max_objects"])
+        assert [list(b) for b in bins] == run["bins"], (run["skill"], run["object"], entry["min_margin"])
+        got = spatial_objects(bins, cfg)
+        assert len(got) == len(run["answer"]) and all(len(g) == (2 if run["skill"] == "point" else 4) for g in got)
+        np.testing.assert_allclose(np.asarray(got).reshape(-1), np.asarray(run["answer"]).reshape(-1), rtol=0,
+                                   atol=1e-6)
+    counts = {len(r["bins"]) for r in entry["images"][image]}
+    assert counts <= set(range(entry["max_objects"] + 1))
 
 
 def _adaptive_avg_pool(x: np.ndarray, out: int) -> np.ndarray:

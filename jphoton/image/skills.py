@@ -64,8 +64,10 @@ def prepare(image, vision, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 
 
 def skill_prompt(skill: str, encode: Callable[[str], list[int]], embed_rows: int, *, with_image: bool,
-                 question: str | None = None, length: str = "normal") -> tuple[list[int], tuple[int, int]]:
-    """(prompt ids, image run (start, length); (0, 0) without an image) for skill "query" or "caption"."""
+                 question: str | None = None, length: str = "normal",
+                 obj: str | None = None) -> tuple[list[int], tuple[int, int]]:
+    """(prompt ids, image run (start, length); (0, 0) without an image) for skill "query", "caption", "point" or
+    "detect" (obj: what to find; the reference encodes it after a space)."""
     if skill == "query":
         if not isinstance(question, str) or not question.strip():
             raise ValueError("query: the question must be a non-empty string")
@@ -77,8 +79,15 @@ def skill_prompt(skill: str, encode: Callable[[str], list[int]], embed_rows: int
         if not with_image:
             raise ValueError("caption: an image is required")
         body = list(TEMPLATES["caption"][length])
+    elif skill in ("point", "detect"):
+        if not isinstance(obj, str) or not obj.strip():
+            raise ValueError(f"{skill}: the object must be a non-empty string")
+        if not with_image:
+            raise ValueError(f"{skill}: an image is required")
+        t = TEMPLATES[skill]
+        body = [*t["prefix"], *encode(" " + obj), *t["suffix"]]
     else:
-        raise ValueError(f"unknown skill {skill!r}; expected 'query' or 'caption'")
+        raise ValueError(f"unknown skill {skill!r}; expected 'query', 'caption', 'point' or 'detect'")
     if not with_image:
         return [BOS_ID, *body], (0, 0)
     return [BOS_ID, *[PLACEHOLDER] * embed_rows, *body], (1, embed_rows)

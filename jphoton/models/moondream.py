@@ -13,6 +13,7 @@ Weights: x @ w layout ([in, out]); layers stacked on a leading axis (`param_shap
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -375,6 +376,130 @@ def generate_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], 
         logits, kv = step(params, jnp.asarray([tok], jnp.int32), jnp.asarray([n], jnp.int32), kv, None, None)
         logits = logits.at[banned].set(-jnp.inf)
         n += 1
+    return out
+
+
+# ---- the region heads (point / detect) -------------------------------------------------------------------------------
+# A spatial skill decodes values, not tokens: from a hidden state (before the final LayerNorm) the coordinate head gives
+# logits over `coord_out_dim` bins (value = bin / bins) and the size head two rows of `size_out_dim // 2` log-scale bins
+# (value = 2 ** (bin / (bins - 1) * 10 - 10)); the value chosen is fed back as the next position's input embedding
+# through the matching encoder (Fourier features, then a linear layer).
+
+def fourier_features(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, k] @ w [k, F/2] as the reference computes it ((2 pi x) @ w), then [cos | sin] -> [N, F] float32."""
+    f = (2 * np.float32(np.pi) * x.astype(jnp.float32)) @ w.astype(jnp.float32)
+    return jnp.concatenate([jnp.cos(f), jnp.sin(f)], axis=-1)
+
+
+def encode_coordinate(params: Params, coord: jax.Array) -> jax.Array:
+    """coord [N] in [0, 1] -> the input embedding [N, D] of a position that holds that coordinate."""
+    r = params["region"]
+    return _linear(fourier_features(coord[:, None], r["coord_features"]).astype(r["coord_enc_w"].dtype),
+                   r["coord_enc_w"], r["coord_enc_b"])
+
+
+def encode_size(params: Params, size: jax.Array) -> jax.Array:
+    """size [N, 2] (width, height) -> the input embedding [N, D]."""
+    r = params["region"]
+    return _linear(fourier_features(size, r["size_features"]).astype(r["size_enc_w"].dtype), r["size_enc_w"],
+                   r["size_enc_b"])
+
+
+def coordinate_logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [N, D] -> logits [N, coord_out_dim] float32."""
+    r = params["region"]
+    return mlp(hidden, r["coord_dec_fc1"], r["coord_dec_b1"], r["coord_dec_fc2"], r["coord_dec_b2"]).astype(jnp.float32)
+
+
+def size_logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [N, D] -> logits [N, 2, size_out_dim // 2] float32 (width's bins, then height's)."""
+    r = params["region"]
+    out = mlp(hidden, r["size_dec_fc1"], r["size_dec_b1"], r["size_dec_fc2"], r["size_dec_b2"])
+    return out.astype(jnp.float32).reshape(hidden.shape[0], 2, -1)
+
+
+def coordinate_of(bins: jax.Array, n_bins: int) -> jax.Array:
+    """A coordinate bin's value (float32), as the reference divides its argmax by the bin count."""
+    return bins.astype(jnp.float32) / np.float32(n_bins)
+
+
+def size_of(bins: jax.Array, n_bins: int) -> jax.Array:
+    """A size bin's value: 2 ** (bin / (n_bins - 1) * 10 - 10) in float32 (sizes 1/1024 .. 1, log-spaced)."""
+    return jnp.exp2(bins.astype(jnp.float32) / np.float32(n_bins - 1) * np.float32(10.0) - np.float32(10.0))
+
+
+def spatial_objects(bins: list[tuple[int, ...]], cfg: MoondreamConfig) -> list[tuple[float, ...]]:
+    """Decoded bins -> the skill's answer, normalized to [0, 1] as the reference reports it: points (x, y) from
+    (x_bin, y_bin); boxes (x_min, y_min, x_max, y_max) from (x_bin, y_bin, w_bin, h_bin), centre +- half the size."""
+    nc, ns = cfg.region.coord_out_dim, cfg.region.size_out_dim // 2
+    out = []
+    for b in bins:
+        x, y = (float(np.float32(v) / np.float32(nc)) for v in b[:2])
+        if len(b) == 2:
+            out.append((x, y))
+            continue
+        w, h = (float(np.exp2(np.float32(v) / np.float32(ns - 1) * np.float32(10.0) - np.float32(10.0)))
+                for v in b[2:])
+        out.append((x - w / 2, y - h / 2, x + w / 2, y + h / 2))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_step(cfg: MoondreamConfig, prefix_len: int):
+    """generate_spatial_reference's jitted forward (one per config and prefix: its calls reuse the compiled shapes):
+    (tokens, positions, kv, embeds, use) -> (logits of the last position, its hidden [1, D], kv)."""
+    attend = dense_attend(prefix_len)
+
+    @jax.jit
+    def step(params, tokens, positions, kv, embeds, use):
+        hidden, (k, v, _, _) = text_forward(params, cfg, tokens, positions, (*kv, positions, positions[-1] + 1),
+                                            attend, embeds, use)
+        return text_logits(params, cfg, hidden[-1:])[0], hidden[-1:], (k, v)
+
+    return step
+
+
+def generate_spatial_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], image_embeds=None,
+                               include_size: bool = False, max_objects: int = 50) -> list[tuple[int, ...]]:
+    """Point (include_size=False) or detect, greedily and the plain way (one contiguous cache, no engine): the
+    reference the engine's spatial rows are tested against. After the prompt, while its argmax token is not eos and
+    fewer than max_objects were found: x from the coordinate head on the last hidden state, fed back as an embedding;
+    y likewise; for detect the size head's (w, h), fed back; the argmax token of the last position fed decides again.
+    Returns one tuple of bins per object: (x, y) or (x, y, w, h)."""
+    t = cfg.text
+    dtype = params["text"]["embed"].dtype
+    kc = jnp.zeros((t.n_layers, t.max_context, t.n_heads, t.head_dim), dtype)
+    prefix_len = cfg.prefix_len if image_embeds is not None else 0
+    tokens = [cfg.bos_id] + [0] * (prefix_len - 1) + list(prompt) if prefix_len else list(prompt)
+    embeds = np.zeros((len(tokens), t.dim), np.float32)
+    use = np.zeros(len(tokens), bool)
+    if prefix_len:
+        embeds[1:prefix_len] = np.asarray(image_embeds, np.float32)
+        use[1:prefix_len] = True
+    step = _reference_step(cfg, prefix_len)
+    logits, hidden, kv = step(params, jnp.asarray(tokens, jnp.int32), jnp.arange(len(tokens), dtype=jnp.int32),
+                              (kc, kc), jnp.asarray(embeds, dtype), jnp.asarray(use))
+    n, out = len(tokens), []
+
+    def feed(emb):
+        nonlocal n, kv
+        logits, hidden, kv = step(params, jnp.zeros(1, jnp.int32), jnp.asarray([n], jnp.int32), kv, emb.astype(dtype),
+                                  jnp.ones(1, bool))
+        n += 1
+        return logits, hidden
+
+    nc, ns = cfg.region.coord_out_dim, cfg.region.size_out_dim // 2
+    while int(jnp.argmax(logits)) != cfg.eos_id and len(out) < max_objects:
+        x = int(jnp.argmax(coordinate_logits(params, hidden)[0]))
+        logits, hidden = feed(encode_coordinate(params, coordinate_of(jnp.asarray([x]), nc)))
+        y = int(jnp.argmax(coordinate_logits(params, hidden)[0]))
+        logits, hidden = feed(encode_coordinate(params, coordinate_of(jnp.asarray([y]), nc)))
+        if include_size:
+            wh = jnp.argmax(size_logits(params, hidden)[0], axis=-1)
+            logits, hidden = feed(encode_size(params, size_of(wh, ns)[None]))
+            out.append((x, y, int(wh[0]), int(wh[1])))
+        else:
+            out.append((x, y))
     return out
 
 
