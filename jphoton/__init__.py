@@ -34,6 +34,7 @@ _PUBLIC = {
     "NoFreeLoraSlot": "jphoton.engine.loras",
     "JaxModel": "jphoton.models.protocol",
     "SamplingParams": "jphoton.params",
+    "SpatialParams": "jphoton.params",
     "Completion": "jphoton.params",
     "Delta": "jphoton.sequence",
     "RequestOutput": "jphoton.sequence",

@@ -29,12 +29,14 @@ from jphoton.engine.runner import default_num_pages
 from jphoton.engine.telemetry import Telemetry
 from jphoton.engine.warmup import Warmup
 from jphoton.image import skills as skill_prep
+from jphoton.image import spatial
 from jphoton.models.moe import check_backend as check_moe_backend
 from jphoton.models.protocol import JaxModel, llama_family, moondream_family
 from jphoton.models.tensor_parallel import make_mesh
 from jphoton.params import (
     Completion,
     SamplingParams,
+    SpatialParams,
     short,
     text_bytes,
     utf8_len,
@@ -50,6 +52,7 @@ log = logging.getLogger("jphoton")
 
 Prompt = str | dict  # "text" or {"prompt_token_ids": [...]}
 SKILL_DEFAULTS = skill_prep.DEFAULTS  # Moondream's reference settings
+MAX_OBJECTS_LIMIT = 1000  # a point / detect request's max_objects at most (3 positions an object)
 Message = dict  # {"role": ..., "content": ...}
 
 
@@ -221,12 +224,50 @@ class LLM:
         """Describe an image: length "short", "normal" or "long". A list of images returns a list (as `query`)."""
         return self._skill("caption", image, length, params, stream)
 
+    def point(self, image, obj: str | Seq[str], max_objects: int = spatial.DEFAULT_MAX_OBJECTS):
+        """Where `obj` is in the image: a list of (x, y), normalized to [0, 1] (the reference's greedy point skill:
+        at most max_objects). Lists (of images, of objects, or both of one length) return a list of such lists."""
+        return self._spatial_skill("point", image, obj, max_objects)
+
+    def detect(self, image, obj: str | Seq[str], max_objects: int = spatial.DEFAULT_MAX_OBJECTS):
+        """Boxes around `obj` in the image: a list of (x_min, y_min, x_max, y_max), normalized to [0, 1] (the
+        reference's greedy detect skill: at most max_objects). Lists as in `point`."""
+        return self._spatial_skill("detect", image, obj, max_objects)
+
+    def _spatial_skill(self, skill: str, image, obj, max_objects: int):
+        many = isinstance(image, list) or isinstance(obj, list)
+        completions = self._skill(skill, image, obj, SpatialParams(max_objects), False)
+        answers = [self.spatial_answer(c) for c in (completions if many else [completions])]
+        return answers if many else answers[0]
+
+    def spatial_answer(self, completion: Completion) -> list[tuple[float, ...]]:
+        """A point / detect Completion's objects, normalized to [0, 1] (ValueError if the request failed)."""
+        if completion.finish_reason == "error":
+            raise ValueError(completion.error)
+        r = self.model.vision.region_bins
+        return spatial.normalize(completion.objects or [], *r)
+
     def prepare_skill(self, skill: str, image, text: str, params: SamplingParams | None = None, *,
                       request_id: int | None = None) -> Sequence:
-        """A query (text = the question) or caption (text = the length) request, validated, its image decoded and
-        cropped (this thread does the work: call it off the engine's), not queued (`add_request` queues it)."""
-        if skill not in ("query", "caption"):  # (point / detect decode coordinates, not tokens: not served yet)
-            raise ValueError(f"unknown skill {skill!r}; expected 'query' or 'caption'")
+        """A query (text = the question), caption (text = the length), point or detect (text = the object; params:
+        `SpatialParams(max_objects)`) request, validated, its image decoded and cropped (this thread does the work:
+        call it off the engine's), not queued (`add_request` queues it)."""
+        if skill not in ("query", "caption", "point", "detect"):
+            raise ValueError(f"unknown skill {skill!r}; expected 'query', 'caption', 'point' or 'detect'")
+        answer = None
+        if skill in ("point", "detect"):
+            if self.model.spatial is None:
+                raise ValueError(f"{skill}: model {self.model.name!r} has no spatial skills (a Moondream checkpoint does)")
+            limit = params.max_objects if isinstance(params, SpatialParams) else spatial.DEFAULT_MAX_OBJECTS
+            if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_OBJECTS_LIMIT:
+                raise ValueError(f"{skill}: max_objects must be an integer in [1, {MAX_OBJECTS_LIMIT}], got {limit!r}")
+            if not isinstance(text, str):
+                raise ValueError(f"{skill}: the object must be a string, got {type(text).__name__}")
+            self.requests.check_prompt_size(text_bytes(text))
+            answer = spatial.SpatialAnswer(skill, limit)
+            params = SamplingParams(max_tokens=answer.steps_needed(), temperature=0.0)
+        elif isinstance(params, SpatialParams):
+            raise ValueError(f"{skill}: SpatialParams are for point / detect")
         vision = self.model.vision
         if vision is None:
             raise ValueError(f"{skill}: model {self.model.name!r} takes no images (a Moondream checkpoint does)")
@@ -238,10 +279,15 @@ class LLM:
                 raise ValueError(f"query: the question must be a string, got {type(text).__name__}")
             self.requests.check_prompt_size(text_bytes(text))
         ids, run = skill_prep.skill_prompt(skill, self.requests.encode_within, vision.embed_rows,
-                                           with_image=prepared is not None, question=text, length=text)
+                                           with_image=prepared is not None, question=text, length=text, obj=text)
+        if answer is not None and len(ids) + answer.steps_needed() > self.requests.max_model_len:
+            raise ValueError(f"{skill}: max_objects={answer.max_objects} needs {answer.steps_needed()} positions "
+                             f"after the {len(ids)}-token prompt; the context holds {self.requests.max_model_len}")
         [seq] = self.requests.sequences([ids], params if params is not None else SKILL_DEFAULTS,
                                         None if request_id is None else [request_id])
         seq.image, seq.image_run = prepared, run
+        if answer is not None:
+            seq.spatial, seq.spatial_mode = answer, answer.mode
         return seq
 
     def _skill(self, skill: str, image, text, params, stream: bool):

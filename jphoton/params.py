@@ -241,6 +241,14 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpatialParams:
+    """A point / detect request's settings (LLM.prepare_skill): at most max_objects objects (greedy, as the
+    reference decodes them)."""
+
+    max_objects: int = 50
+
+
 @dataclasses.dataclass
 class Completion:
     prompt_token_ids: list[int]
@@ -254,3 +262,5 @@ class Completion:
     # log-probability under the model, end included (constrain/choice.py).
     choice_index: int | None = None
     choice_scores: list[float] | None = None
+    # A point / detect request: each object's bins, (x, y) or (x, y, w, h) (LLM.point / detect normalize them)
+    objects: list[tuple[int, ...]] | None = None

@@ -47,7 +47,7 @@ class Sequence:
                  "block_table", "page_keys", "pages_cached", "num_computed", "prefill_target", "inflight_refs",
                  "pending_samples", "sample_flags", "admitted_at", "last_sample", "lora_slot", "lora_key", "constraint",
                  "automaton_on_device", "choice_options", "choice_group", "share_from", "choice_index", "choice_scores",
-                 "poisoned", "image", "image_run")
+                 "poisoned", "image", "image_run", "spatial", "spatial_mode")
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Tokenizer | None,
                  eos_token_ids: tuple[int, ...], max_model_len: int, seed: int):
@@ -95,6 +95,10 @@ class Sequence:
         # prompt: prefilled in one chunk with every position before it (a bidirectional prefix)
         self.image = None
         self.image_run: tuple[int, int] = (0, 0)
+        # A point / detect request (image/spatial.py SpatialAnswer): its rows emit spatial ids, not text; mode for the
+        # step input (0: a text request)
+        self.spatial = None
+        self.spatial_mode = 0
 
     @property
     def finished(self) -> bool:
@@ -125,6 +129,16 @@ class Sequence:
         assert self.finish_reason is None, "append after finish"
         token = int(token)
         self.output_ids.append(token)
+        if self.spatial is not None:  # an object's value or eos: no text
+            if token in self._stop_ids:
+                self.finish_reason = "stop"
+            else:
+                try:
+                    if self.spatial.push(token):
+                        self.finish_reason = "length"  # max_objects
+                except ValueError as e:  # (a value out of turn: cannot happen with the engine's spatial step)
+                    self.finish_reason, self.error = "error", str(e)
+            return Delta([token], "", self.finish_reason)
         if self._detok is not None:
             self.text += self._detok.push(token)
             self._check_stop_strings()
@@ -178,4 +192,5 @@ class Sequence:
         return Completion(prompt_token_ids=list(self.prompt_ids), token_ids=list(self.output_ids), text=self.text,
                           finish_reason=self.finish_reason or "abort", error=self.error,
                           logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
-                          choice_index=self.choice_index, choice_scores=self.choice_scores)
+                          choice_index=self.choice_index, choice_scores=self.choice_scores,
+                          objects=list(self.spatial.objects) if self.spatial is not None else None)

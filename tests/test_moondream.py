@@ -23,10 +23,10 @@ from tokenizers import Tokenizer
 from jphoton.engine import compiles
 from jphoton.image.crops import overlap_crops, pool_weights
 from jphoton.image.skills import skill_prompt
+from jphoton.image.spatial import normalize
 from jphoton.models.moondream import (
     generate_reference,
     generate_spatial_reference,
-    spatial_objects,
     vision_encode,
     vision_project,
 )
@@ -154,7 +154,7 @@ def test_point_and_detect_match_reference(models, embeds, case, image):
         bins = generate_spatial_reference(params, cfg, run["prompt"], emb, include_size=run["skill"] == "detect",
                                           max_objects=entry["max_objects"])
         assert [list(b) for b in bins] == run["bins"], (run["skill"], run["object"], entry["min_margin"])
-        got = spatial_objects(bins, cfg)
+        got = normalize(bins, cfg.region.coord_out_dim, cfg.region.size_out_dim // 2)
         assert len(got) == len(run["answer"]) and all(len(g) == (2 if run["skill"] == "point" else 4) for g in got)
         np.testing.assert_allclose(np.asarray(got).reshape(-1), np.asarray(run["answer"]).reshape(-1), rtol=0,
                                    atol=1e-6)

@@ -21,6 +21,7 @@ _spec = importlib.util.spec_from_file_location("moondream_make_fixtures", HERE /
 mf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mf)
 FIX = json.loads((HERE / "fixtures.json").read_text())
+SPATIAL = json.loads((HERE / "spatial.json").read_text())  # the reference's point / detect (make_fixtures.py --spatial)
 IMAGES = mf.make_images()
 GREEDY = SamplingParams(temperature=0, max_tokens=FIX["max_tokens"])
 # an image run (BOS + 729) is prefilled in one chunk: one 1024-token row, beside the tests' small buckets
@@ -29,17 +30,19 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=1024, decode_buckets=(1, 8)
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """config name -> LLM over its rebuilt checkpoint (made on first use; configs share their step shapes)."""
+    """(config name, lm_head bias edits, pipeline depth) -> LLM over its rebuilt checkpoint (made on first use; the
+    engines share their step shapes: one compile each, then the persistent cache)."""
     made, stack = {}, []
 
-    def get(name):
-        if name not in made:
+    def get(name, bias=None, depth=2):
+        key = (name, tuple(sorted((bias or {}).items())), depth)
+        if key not in made:
             d = tmp_path_factory.mktemp(f"moondream_engine_{name}")
-            mf.write_checkpoint(d, name)
-            cm = shared_llm(str(d), **ENGINE)
-            made[name] = cm.__enter__()
+            mf.write_checkpoint(d, name, bias)
+            cm = shared_llm(str(d), pipeline_depth=depth, **ENGINE)
+            made[key] = cm.__enter__()
             stack.append(cm)
-        return made[name]
+        return made[key]
 
     yield get
     for cm in reversed(stack):
@@ -129,3 +132,93 @@ def test_background_warm_up_serves_images_at_the_largest_bucket_first(tmp_path):
     out = llm.query(IMAGES["wide"], wide["question"], GREEDY)
     assert _answer(out.token_ids, out.finish_reason) == wide["ids"]
     assert llm.stats()["num_compiles"] == compiles
+
+
+def _spatial(case: str) -> list[tuple[str, object, str, list[list[int]]]]:
+    """(skill, image, object, the reference's bins per object) of every spatial fixture run of a case."""
+    entry = SPATIAL["cases"][case]
+    return [(r["skill"], IMAGES[name], r["object"], r["bins"]) for name, runs in entry["images"].items() for r in runs]
+
+
+def _run_spatial(llm, runs, max_objects, extra=()) -> tuple[list[list[list[int]]], list]:
+    """Spatial requests (and `extra` query requests) in flight at once: each spatial request's bins per object, and
+    each extra request's reference-style answer ids."""
+    from jphoton import SpatialParams
+
+    seqs = [llm.prepare_skill(skill, image, obj, SpatialParams(max_objects)) for skill, image, obj, _ in runs]
+    seqs += [llm.prepare_skill(skill, image, text, GREEDY) for skill, image, text, _ in extra]
+    ids = [llm.add_request(s) for s in seqs]
+    tokens, reasons = {i: [] for i in ids}, {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            tokens[out.request_id] += out.delta.token_ids
+            reasons[out.request_id] = out.delta.finish_reason
+    bins = [[list(o) for o in s.completion().objects] for s in seqs[:len(runs)]]
+    for i in ids[:len(runs)]:  # every value came back as a spatial id, eos aside
+        assert all(t <= -2**24 for t in tokens[i][:len(tokens[i]) - (reasons[i] == "stop")]), tokens[i]
+    return bins, [_answer(tokens[i], reasons[i]) for i in ids[len(runs):]]
+
+
+def test_point_and_detect_equal_the_reference_beside_queries_at_any_batch(engines):
+    """Every point / detect fixture run of config "a" with two image queries in one batch, then each alone: the
+    reference's bins object by object whatever the batch; LLM.point / detect normalize them as the reference does;
+    nothing compiles after the warm-up (the spatial rows ride the text steps' programs); no implicit host->device
+    transfer in the steady loop (the values stay on the device between steps)."""
+    import jax
+    import numpy as np
+
+    llm = engines("a")
+    runs, entry = _spatial("a"), SPATIAL["cases"]["a"]
+    queries = [r for r in _requests("a") if r[0] == "query" and r[1] is not None][:2]
+    compiles = llm.stats()["num_compiles"]
+    bins, answers = _run_spatial(llm, runs, entry["max_objects"], queries)
+    assert bins == [r[3] for r in runs]
+    assert answers == [q[3] for q in queries]
+    with jax.transfer_guard_host_to_device("disallow"):
+        alone = [_run_spatial(llm, [r], entry["max_objects"])[0][0] for r in runs[::5]]
+    assert alone == [r[3] for r in runs[::5]]
+    assert llm.stats()["num_compiles"] == compiles, "compiled while serving after the warm-up"
+    first = entry["images"]["wide"][2]  # a detect run
+    boxes = llm.detect(IMAGES["wide"], first["object"], max_objects=entry["max_objects"])
+    np.testing.assert_allclose(np.asarray(boxes), np.asarray(first["answer"]), rtol=0, atol=1e-6)
+    assert llm.point([IMAGES["small"], IMAGES["tall"]], "w42", max_objects=2) == [
+        [tuple(p) for p in entry["images"][name][0]["answer"][:2]] for name in ("small", "tall")]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_eos_ends_an_answer_early_or_at_once_at_every_depth(engines, depth):
+    """Case "a-eos" (eos biased): one object then eos, no object at all, or max_objects, at pipeline depths 1 and 3;
+    a zombie's extra step (launched before eos was committed) adds nothing."""
+    entry = SPATIAL["cases"]["a-eos"]
+    llm = engines("a", {int(k): v for k, v in entry["lm_head_bias"].items()}, depth)
+    runs = _spatial("a-eos")
+    bins, _ = _run_spatial(llm, runs, entry["max_objects"])
+    assert bins == [r[3] for r in runs]
+    assert {len(b) for b in bins} >= {0, 1, entry["max_objects"]}
+
+
+def test_spatial_requests_refuse_bad_input_at_submission(engines):
+    from jphoton import SpatialParams
+
+    llm = engines("a")
+    image = IMAGES["small"]
+    for skill, obj, params, says in [
+        ("point", "", SpatialParams(3), "non-empty"),
+        ("detect", "   ", SpatialParams(3), "non-empty"),
+        ("point", 7, SpatialParams(3), "must be a string"),
+        ("point", "w42", SpatialParams(0), "max_objects"),
+        ("detect", "w42", SpatialParams(10**9), "max_objects"),
+        ("point", "w42", SpatialParams(True), "max_objects"),
+        ("point", "w " * 5000, SpatialParams(3), "the context holds"),  # a 10 kB object
+        ("point", "w42", GREEDY, None),  # text params: the default max_objects
+    ]:
+        if says is None:
+            assert llm.prepare_skill(skill, image, obj, params).spatial.max_objects == 50
+            continue
+        with pytest.raises(ValueError, match=says):
+            llm.prepare_skill(skill, image, obj, params)
+    with pytest.raises(ValueError, match="an image is required"):
+        llm.point(None, "w42")
+    with pytest.raises(ValueError, match="SpatialParams are for point"):
+        llm.prepare_skill("query", image, "w42", SpatialParams(3))
+    assert not llm.has_unfinished_requests()

@@ -22,7 +22,8 @@ def _seq(rng: random.Random, n: int):
     params = SimpleNamespace(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.choice([0, 50]),
                              top_p=rng.choice([1.0, 0.9]))
     return SimpleNamespace(block_table=[rng.randrange(900) for _ in range(rng.randint(1, 4))], params=params,
-                           seed=rng.randrange(2**40), lora_slot=rng.choice([-1, 0, 1]), name=n)
+                           seed=rng.randrange(2**40), lora_slot=rng.choice([-1, 0, 1]), spatial_mode=rng.choice([0, 0, 1, 2]),
+                           name=n)
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -169,6 +169,7 @@ class StepPacker:
         v["key"][out] = seed_key_data(np.array([s.seed for s in seqs], np.uint64)).view(np.int32)
         v["top_k"][out] = [s.params.top_k for s in seqs]
         v["top_p"].view(np.float32)[out] = [s.params.top_p for s in seqs]
+        v["spatial"][out] = [s.spatial_mode for s in seqs]
 
     def _pack_mixed(self, plan: StepPlan, decode: dict[str, np.ndarray]) -> StepInput:
         """A step with prefill rows whose decode rows are packed already, in `decode` (a decode-only layout's views
@@ -217,12 +218,12 @@ class StepPacker:
 RING = 4  # steady-pack buffers per layout (`StepPacker._next_buffer`): one is rewritten 4 steady packs after its step
 
 # a decode-only step's per-sequence fields by row (copied when a row moves), and every field of a decode row
-_ROW_FIELDS = ("d_table", "d_lora", "temperature", "key", "top_k", "top_p")
+_ROW_FIELDS = ("d_table", "d_lora", "temperature", "key", "top_k", "top_p", "spatial")
 _DECODE_FIELDS = _ROW_FIELDS + ("d_tokens", "d_carry", "d_pos", "sample_index", "g_state", "g_mode")
 # (`_pack_mixed`) the fields of decode rows only, and the per-output-row fields a decode pack fills (automaton fields:
 # written by `pack` afterwards)
 _DECODE_ONLY_FIELDS = ("d_tokens", "d_carry", "d_pos", "d_table", "d_lora")
-_SAMPLING_FIELDS = ("temperature", "key", "top_k", "top_p", "sample_index")
+_SAMPLING_FIELDS = ("temperature", "key", "top_k", "top_p", "sample_index", "spatial")
 
 
 def _runs(src: list[int]) -> list[tuple[int, int, int]]:

@@ -168,7 +168,8 @@ class Runner:
         """The jitted step variants, the second sampler, the table writes and page copies, and the abstract
         arguments their ahead-of-time compiles take."""
         abstract = self.abstract
-        step = functools.partial(engine_step, model.forward, model.logits, self.static)
+        step = functools.partial(engine_step, model.forward, model.logits, self.static,
+                                 spatial_fn=getattr(model, "spatial", None))
         # Shardings pinned on the jits: a step input that arrives as a host array (usual) and one that arrives as a
         # device array (carried by the grammar sampler) then share one executable; left to inference, a committed
         # device argument and an uncommitted host one compile twice.

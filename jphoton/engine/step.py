@@ -22,6 +22,7 @@ from jphoton.engine.attention import paged_attention, paged_attention_static, to
 from jphoton.engine.plan import StepShape
 from jphoton.engine.sampling import sample, sample_plain, top_logprobs
 from jphoton.engine.slots import NONFINITE
+from jphoton.image.spatial import SPATIAL_BASE
 from jphoton.models.lora import LoraInputs
 
 
@@ -61,6 +62,7 @@ class StepLayout:
             ("d_lora", (Bd,)), ("p_lora", (Bp,)),  # each row's LoRA slot, -1: none (read by a step's LoRA variant)
             # each row's device automaton state and how to read it (`AUTOMATON_*`; read by a step's filtered variant)
             ("g_state", (R,)), ("g_mode", (R,)),
+            ("spatial", (R,)),  # each row's spatial skill (image/spatial.py MODES; 0: a text row)
         ):
             self.fields[name] = (offset, dims)
             offset += math.prod(dims)
@@ -105,7 +107,7 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
                 prev_tokens, out_tokens, out_logits, packed, lora_weights=None, automaton=None, out_states=None, *,
-                filtered: bool = False, lora: bool = False, tp=None):
+                filtered: bool = False, lora: bool = False, tp=None, spatial_fn=None):
     """Returns (out_tokens, out_logits, kv), and out_states when `automaton` is given. prev_tokens is the previous
     step's token output (read for carry-over, never donated); the output buffers and kv are donated and come back
     updated in place. The logits of every row stay on the device for a later sampler (logprobs, grammar masks, filters
@@ -119,7 +121,9 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     its token goes to out_states (donated), which the next step reads as prev_states.
     tp: one shard of a tensor-parallel step, inside shard_map (models/tensor_parallel.py; the runner wraps it): the
     forward and logits are the shard's, kv and out_logits its slices (KV heads, vocabulary); the sampler reduces across
-    shards and every shard writes the same tokens."""
+    shards and every shard writes the same tokens.
+    spatial_fn: the model's spatial skills (models/protocol.py JaxModel.spatial): in a step with a point / detect row,
+    those rows emit its values (image/spatial.py ids) instead of sampled tokens."""
     f = StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
@@ -194,6 +198,7 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
         hidden = hidden[last]
     # a decode-only step's rows are its tokens: no gather (XLA kept the identity gather as a kernel of its own)
     logits = logits_fn(params, hidden)
+    raw_logits = logits
     if static.decode_banned and Bd:
         logits = logits.at[:Bd, jnp.asarray(static.decode_banned)].set(-jnp.inf)
     if filtered:  # (top-k / top-p over the whole vocabulary: a shard's logits are gathered first)
@@ -213,12 +218,28 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
             out_states = jax.lax.dynamic_update_slice(out_states, new_state, (0,))
     else:
         tokens_out = sample_plain(logits, f["temperature"], f["key"], f["sample_index"], tp=tp)
+    if spatial_fn is not None and tp is None:
+        tokens_out = _spatial_rows(spatial_fn, params, hidden, raw_logits, f, d_tokens, tokens_out, Bp)
     tokens_out = mark_nonfinite(tokens_out, full if filtered else logits, None if filtered else tp)
     out_tokens = jax.lax.dynamic_update_slice(out_tokens, tokens_out, (0,))
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits.astype(out_logits.dtype), (0, 0))
     if filtered and automaton is not None:
         return out_tokens, out_logits, kv, out_states
     return out_tokens, out_logits, kv
+
+
+def _spatial_rows(spatial_fn, params, hidden, logits, f, d_tokens, tokens_out, Bp: int) -> jax.Array:
+    """tokens_out with each spatial row's value (only in a step that has one: a text step skips the region heads).
+    A row's previous value is its input token: a decode row's carried token, a prefill row's last chunk token (a
+    recomputed row's chunk may end in a spatial id)."""
+    mode = f["spatial"]
+    prev = d_tokens
+    if Bp:
+        last = jnp.take_along_axis(f["p_tokens"], jnp.maximum(f["p_len"] - 1, 0)[:, None], axis=1)[:, 0]
+        prev = jnp.concatenate([d_tokens, last])
+    return jax.lax.cond(jnp.any(mode > 0),
+                        lambda: jnp.where(mode > 0, spatial_fn(params, hidden, logits, mode, prev), tokens_out),
+                        lambda: tokens_out)
 
 
 def mark_nonfinite(tokens: jax.Array, logits: jax.Array, tp=None) -> jax.Array:
@@ -282,7 +303,7 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     if filtered or masked:  # (a row the step marked NONFINITE stays marked)
         fresh = (sample(scores, temperature, rows[:, C.TOP_K], top_p, key, rows[:, C.SAMPLE_INDEX]) if filtered
                  else sample_plain(scores, temperature, key, rows[:, C.SAMPLE_INDEX]))
-        tokens = jnp.where(tokens == NONFINITE, NONFINITE, fresh)
+        tokens = jnp.where((tokens == NONFINITE) | (tokens <= -SPATIAL_BASE), tokens, fresh)  # (spatial: kept)
     tokens = _forced(logits, tokens, rows[:, C.N_FORCED], rows[:, C.FORCED])
     if num_logprobs:
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jphoton.image import spatial
 from jphoton.models.matmul import PlainMatmul
 
 Params = dict[str, Any]
@@ -428,22 +429,6 @@ def size_of(bins: jax.Array, n_bins: int) -> jax.Array:
     return jnp.exp2(bins.astype(jnp.float32) / np.float32(n_bins - 1) * np.float32(10.0) - np.float32(10.0))
 
 
-def spatial_objects(bins: list[tuple[int, ...]], cfg: MoondreamConfig) -> list[tuple[float, ...]]:
-    """Decoded bins -> the skill's answer, normalized to [0, 1] as the reference reports it: points (x, y) from
-    (x_bin, y_bin); boxes (x_min, y_min, x_max, y_max) from (x_bin, y_bin, w_bin, h_bin), centre +- half the size."""
-    nc, ns = cfg.region.coord_out_dim, cfg.region.size_out_dim // 2
-    out = []
-    for b in bins:
-        x, y = (float(np.float32(v) / np.float32(nc)) for v in b[:2])
-        if len(b) == 2:
-            out.append((x, y))
-            continue
-        w, h = (float(np.exp2(np.float32(v) / np.float32(ns - 1) * np.float32(10.0) - np.float32(10.0)))
-                for v in b[2:])
-        out.append((x - w / 2, y - h / 2, x + w / 2, y + h / 2))
-    return out
-
-
 @functools.lru_cache(maxsize=8)
 def _reference_step(cfg: MoondreamConfig, prefix_len: int):
     """generate_spatial_reference's jitted forward (one per config and prefix: its calls reuse the compiled shapes):
@@ -507,11 +492,48 @@ def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, posi
                    matmul=None):
     """`text_forward` as the engine runs it (models/protocol.py): a negative token -(1 + i) is row i of the image
     cache `params["image_cache"]` ([slots, 729, D] flattened; written by `encode_into_cache`), so an image prefix
-    rides in an ordinary prefill chunk."""
-    img = tokens < 0
+    rides in an ordinary prefill chunk; a spatial id (image/spatial.py: a point / detect row's decoded coordinate or
+    size) is that value's region-encoder embedding."""
+    img = (tokens < 0) & (tokens > -spatial.SPATIAL_BASE)
     cache = params["image_cache"].reshape(-1, cfg.text.dim)
     embeds = cache[jnp.where(img, -tokens - 1, 0)]
-    return text_forward(params, cfg, jnp.where(img, 0, tokens), positions, kv, attend, embeds, img, matmul)
+    use = img
+    if "region" in params:  # (the text steps get the region heads too; the encoders' products cost ~nothing: no cond)
+        embeds = _spatial_embeds(params, cfg, tokens, embeds)
+        use = img | (tokens <= -spatial.SPATIAL_BASE)
+    return text_forward(params, cfg, jnp.where(use, 0, tokens), positions, kv, attend, embeds, use, matmul)
+
+
+def _spatial_embeds(params: Params, cfg: MoondreamConfig, tokens: jax.Array, embeds: jax.Array) -> jax.Array:
+    """embeds with each spatial id's position replaced by its value's embedding (coordinate or size encoder)."""
+    v = -tokens
+    coord = (v >= spatial.X_BASE) & (v < spatial.SIZE_BASE)
+    size = v >= spatial.SIZE_BASE
+    c_bin = jnp.where(v >= spatial.Y_BASE, v - spatial.Y_BASE, v - spatial.X_BASE)
+    c_emb = encode_coordinate(params, coordinate_of(jnp.where(coord, c_bin, 0), cfg.region.coord_out_dim))
+    wh = jnp.stack(jnp.divmod(jnp.where(size, v - spatial.SIZE_BASE, 0), spatial.SIZE_SPAN), axis=-1)
+    s_emb = encode_size(params, size_of(wh, cfg.region.size_out_dim // 2))
+    dtype = embeds.dtype
+    return jnp.where(coord[:, None], c_emb.astype(dtype), jnp.where(size[:, None], s_emb.astype(dtype), embeds))
+
+
+def spatial_tokens(params: Params, cfg: MoondreamConfig, hidden: jax.Array, logits: jax.Array, mode: jax.Array,
+                   prev: jax.Array) -> jax.Array:
+    """What each spatial row emits this step (image/spatial.py ids), as the reference's point / detect loop decides it
+    (`generate_spatial_reference`): hidden [R, D] (before the final LayerNorm), logits [R, V] (unmasked), mode [R]
+    (1 point, 2 detect), prev [R] the row's input token (the value it emitted last; a prompt's token for a prefill row).
+    After a y (point) or a size (detect), or after the prompt: eos if the argmax token is eos, else the x of a new
+    object; after an x: its y; after a detect's y: its (w, h)."""
+    v = -prev
+    after_x = (v >= spatial.X_BASE) & (v < spatial.Y_BASE)
+    after_y = (v >= spatial.Y_BASE) & (v < spatial.SIZE_BASE)
+    coord_bin = jnp.argmax(coordinate_logits(params, hidden), axis=-1).astype(jnp.int32)
+    wh = jnp.argmax(size_logits(params, hidden), axis=-1).astype(jnp.int32)
+    eos = jnp.argmax(logits, axis=-1) == cfg.eos_id
+    decide = jnp.where(eos, cfg.eos_id, -(spatial.X_BASE + coord_bin))
+    out = jnp.where(after_x, -(spatial.Y_BASE + coord_bin), decide)
+    size_id = -(spatial.SIZE_BASE + wh[:, 0] * spatial.SIZE_SPAN + wh[:, 1])
+    return jnp.where(after_y & (mode == 2), size_id, out).astype(jnp.int32)
 
 
 def encode_into_cache(params: Params, cfg: MoondreamConfig, slot: jax.Array, crops: jax.Array, pool_rows: jax.Array,

@@ -49,6 +49,9 @@ class JaxModel:
     # Token ids a decode row never samples (their logits are -inf in every decode row; a prompt's first token, sampled
     # by its prefill row, may be one): Moondream's reference masks its answer token so in every answer step but the first.
     decode_banned_tokens: tuple[int, ...] = ()
+    # Spatial skills (point / detect: image/spatial.py): spatial(params, hidden [R, D], logits [R, V], mode [R],
+    # prev [R]) -> the ids the spatial rows (mode > 0) emit this step; None: the model has none.
+    spatial: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Vision:
     # the top-level params entries forward / logits read (the text steps get only these: each leaf passed costs
     # dispatch time, and the encoder's layers are hundreds of leaves); () = all
     text_keys: tuple[str, ...] = ()
+    region_bins: tuple[int, int] = (0, 0)  # the spatial heads' (coordinate bins, size bins per dimension)
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -158,11 +162,15 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
     def logits(params, hidden):
         return moondream.text_logits(params, config, hidden)
 
+    def spatial(params, hidden, logits, mode, prev):
+        return moondream.spatial_tokens(params, config, hidden, logits, mode, prev)
+
     def encode(params, slot, crops, rows, cols):
         return moondream.encode_into_cache(params, config, slot, crops, rows, cols, vision_attention)
 
     vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
-                    max_crops=v.max_crops, encode=encode, text_keys=("text", "image_cache"))
+                    max_crops=v.max_crops, encode=encode, text_keys=("text", "image_cache", "region"),
+                    region_bins=(config.region.coord_out_dim, config.region.size_out_dim // 2))
     return JaxModel(mc, params, forward, logits, tokenizer=tokenizer, name=name or config.name, vision=vision,
-                    decode_banned_tokens=(config.answer_id,), min_decode_rows=mm.min_rows)
+                    decode_banned_tokens=(config.answer_id,), min_decode_rows=mm.min_rows, spatial=spatial)
