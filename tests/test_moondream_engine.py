@@ -222,3 +222,15 @@ def test_spatial_requests_refuse_bad_input_at_submission(engines):
     with pytest.raises(ValueError, match="SpatialParams are for point"):
         llm.prepare_skill("query", image, "w42", SpatialParams(3))
     assert not llm.has_unfinished_requests()
+
+
+def test_spatial_rows_preempted_and_recomputed_give_the_same_bins(tmp_path):
+    """A pool too small for the batch: rows are preempted mid-answer and prefilled again from their committed spatial
+    ids (embedded by the region encoders, attended causally, not as an image prefix), with the same bins."""
+    mf.write_checkpoint(tmp_path, "a")
+    entry = SPATIAL["cases"]["a"]
+    runs = [r for r in _spatial("a") if r[1] is IMAGES["small"]]  # one image: its 92 prompt pages shared
+    with shared_llm(str(tmp_path), **{**ENGINE, "num_kv_pages": 96, "page_size": 8, "warmup": "off"}) as llm:
+        bins, _ = _run_spatial(llm, runs, entry["max_objects"])
+        assert llm.stats()["preemptions"] > 0  # (here: 3, after 0, 7 and 14 committed spatial ids)
+    assert bins == [r[3] for r in runs]

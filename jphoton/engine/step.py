@@ -142,7 +142,8 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     ])
     p_prefix = p_mask_pos = None  # (rows with an image run: each row's prefix length, the positions their masks use)
     if static.image_prefix and Bp:
-        p_prefix = jnp.max(jnp.where(f["p_tokens"] < 0, p_pos + 1, 0), axis=1)
+        image = (f["p_tokens"] < 0) & (f["p_tokens"] > -SPATIAL_BASE)  # (a recomputed spatial row's ids are not)
+        p_prefix = jnp.max(jnp.where(image, p_pos + 1, 0), axis=1)
         p_mask_pos = jnp.maximum(p_pos, p_prefix[:, None] - 1)
     if shape.ctx_pages:
         attention = functools.partial(paged_attention_static, page_size=ps, num_pages=shape.ctx_pages,
