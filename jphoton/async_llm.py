@@ -21,7 +21,8 @@ import jax
 
 from jphoton.api import LLM, Prompt
 from jphoton.engine.driver import ChatPrompt, SkillPrompt
-from jphoton.params import SamplingParams
+from jphoton.image import spatial
+from jphoton.params import SamplingParams, SpatialParams
 from jphoton.sequence import RequestOutput
 
 log = logging.getLogger("jphoton")
@@ -92,6 +93,23 @@ class AsyncLLM:
                 ) -> AsyncIterator[RequestOutput]:
         """`generate` for a caption of an image: length "short", "normal" or "long" (as `query`)."""
         return self.generate(SkillPrompt("caption", image, length), params)
+
+    async def point(self, image, obj: str, max_objects: int = spatial.DEFAULT_MAX_OBJECTS) -> list[tuple[float, ...]]:
+        """`LLM.point`: where obj is in the image, a list of (x, y) in [0, 1]; ValueError for bad input (at submission)
+        or a failed request."""
+        return await self._spatial("point", image, obj, max_objects)
+
+    async def detect(self, image, obj: str, max_objects: int = spatial.DEFAULT_MAX_OBJECTS) -> list[tuple[float, ...]]:
+        """`LLM.detect`: boxes (x_min, y_min, x_max, y_max) in [0, 1] around obj in the image."""
+        return await self._spatial("detect", image, obj, max_objects)
+
+    async def _spatial(self, skill: str, image, obj: str, max_objects: int) -> list[tuple[float, ...]]:
+        ids = []
+        async for out in self.generate(SkillPrompt(skill, image, obj), SpatialParams(max_objects)):
+            ids += out.delta.token_ids
+            if out.delta.finish_reason == "error":
+                raise ValueError(out.error)
+        return spatial.answer_of(skill, ids, max_objects).normalized(*self.llm.model.vision.region_bins)
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))

@@ -1,5 +1,5 @@
-"""`jphoton` command line: generate, query and caption (an image model), convert, serve. Text goes to stdout as it is
-produced; logs and progress to stderr."""
+"""`jphoton` command line: generate, query, caption, point and detect (an image model), convert, serve. Text goes to
+stdout as it is produced; logs and progress to stderr."""
 
 from __future__ import annotations
 
@@ -225,6 +225,31 @@ def _cmd_skill(args) -> int:
     return 0
 
 
+def _cmd_spatial(args) -> int:
+    """`jphoton point IMAGE OBJECT` / `jphoton detect IMAGE OBJECT`: one line per object found, normalized to [0, 1]:
+    `x y` (point) or `x_min y_min x_max y_max` (detect)."""
+    from jphoton.engine.config import Limits
+    from jphoton.image import load_image
+
+    if not args.object.strip():
+        raise ValueError(f"{args.command}: the object is empty")
+    if not 1 <= args.max_objects <= 1000:
+        raise ValueError(f"{args.command}: --max-objects must be in [1, 1000], got {args.max_objects}")
+    try:
+        image = pathlib.Path(args.image).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {args.image}: {e.strerror}") from None
+    load_image(image, max_image_pixels=Limits().max_image_pixels)  # a bad image fails now, not after the model loads
+    llm = build_llm(args.model, dtype=args.dtype, progress=True, warmup="off")
+    t0 = time.perf_counter()
+    found = getattr(llm, args.command)(image, args.object, max_objects=args.max_objects)
+    for obj in found:
+        print(" ".join(f"{v:.4f}" for v in obj))
+    print(f"jphoton: {len(found)} {'points' if args.command == 'point' else 'boxes'} in "
+          f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return 0
+
+
 def _cmd_convert(args) -> int:
     from jphoton.weights import load_model
     from jphoton.weights.store import check_store_dest, save_store
@@ -349,6 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--stop", action="append", default=[], metavar="TEXT",
                        help="stop before this text (repeat the flag for several)")
         q.set_defaults(func=_cmd_skill)
+
+    for name, help_text in (("point", "points at an object in an image (a Moondream checkpoint): x y per line"),
+                            ("detect", "boxes around an object in an image (a Moondream checkpoint): "
+                                       "x_min y_min x_max y_max per line")):
+        q = sub.add_parser(name, help=help_text, **show_defaults)
+        q.add_argument("image", help="an image file: JPEG, PNG, WebP or GIF")
+        q.add_argument("object", help="what to find")
+        _add_model_args(q)
+        q.add_argument("--max-objects", type=int, default=50)
+        q.set_defaults(func=_cmd_spatial)
 
     c = sub.add_parser("convert", help="convert a model source to a jphoton store (orbax) for fast loading",
                        **show_defaults)

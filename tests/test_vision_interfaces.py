@@ -290,9 +290,17 @@ def test_grpc_refuses_bad_images_and_misused_fields_invalid_argument(served, llm
     # (empty image bytes are no image, as proto3 has it: a text-only query)
     cases = {name: (image, says) for name, (image, says) in bad_images().items() if isinstance(image, bytes) and image}
     misuse = {
-        "image without skill": (_request(PNG_BYTES, skill=""), "needs skill 'query' or 'caption'"),
-        "length without skill": (pb.GenerateRequest(text="w1", length="short"), "needs skill 'query' or 'caption'"),
-        "unknown skill": (_request(PNG_BYTES, skill="detect"), "skill must be 'query' or 'caption'"),
+        "image without skill": (_request(PNG_BYTES, skill=""), "needs skill 'query', 'caption', 'point' or 'detect'"),
+        "length without skill": (pb.GenerateRequest(text="w1", length="short"), "needs skill 'query', 'caption'"),
+        "unknown skill": (_request(PNG_BYTES, skill="segment"), "skill must be 'query', 'caption', 'point' or"),
+        "point with sampling": (_request(PNG_BYTES, skill="point"), "sampling and lora do not apply"),
+        "detect without image": (pb.GenerateRequest(text="w1", skill="detect"), "needs an image"),
+        "point without object": (pb.GenerateRequest(image=PNG_BYTES, text=" ", skill="point"), "object (text) is empty"),
+        "detect with length": (pb.GenerateRequest(image=PNG_BYTES, text="w1", skill="detect", length="short"),
+                               "length is for skill 'caption'"),
+        "query with max_objects": (_request(PNG_BYTES, max_objects=3), "max_objects is for skills"),
+        "huge max_objects": (pb.GenerateRequest(image=PNG_BYTES, text="w1", skill="point", max_objects=10**6),
+                             "max_objects must be an integer in [1, 1000]"),
         "token_ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), image=PNG_BYTES, skill="query"),
                       "token_ids and chat do not apply"),
         "chat": (_request(PNG_BYTES, chat=True), "token_ids and chat do not apply"),
@@ -321,6 +329,35 @@ def test_grpc_refuses_bad_images_and_misused_fields_invalid_argument(served, llm
     msgs = list(stub.Generate(_request(b"", text="w17"), timeout=60))  # no image: a text-only query
     assert [t for m in msgs for t in m.token_ids] == llm.query(None, "w17", GREEDY).token_ids
     assert msgs[-1].usage.prompt_tokens < TINY.prefix_len
+
+
+def test_point_and_detect_over_grpc_async_and_llm_agree(served, llm):
+    """The same points and boxes from LLM.point / detect, AsyncLLM and gRPC (the last message's points / boxes; no
+    message carries token ids), at most max_objects; the pages come back."""
+    _, stub = served
+    want = {skill: getattr(llm, skill)(PNG_BYTES, "w17", max_objects=3) for skill in ("point", "detect")}
+    assert 0 < len(want["point"]) <= 3 and all(len(p) == 2 for p in want["point"])
+    assert all(len(b) == 4 and b[0] <= b[2] and b[1] <= b[3] for b in want["detect"])
+    for skill, found in want.items():
+        msgs = list(stub.Generate(pb.GenerateRequest(image=PNG_BYTES, text="w17", skill=skill, max_objects=3),
+                                  timeout=60))
+        assert not any(m.token_ids for m in msgs) and msgs[-1].finish_reason in ("stop", "length")
+        got = ([(p.x, p.y) for p in msgs[-1].points] if skill == "point" else
+               [(b.x_min, b.y_min, b.x_max, b.y_max) for b in msgs[-1].boxes])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(found), rtol=0, atol=1e-6)  # (float32 on the wire)
+    _wait_idle(stub)
+
+    async def run():
+        engine = AsyncLLM(llm)
+        try:
+            with pytest.raises(ValueError, match="non-empty"):
+                await engine.point(PNG_BYTES, "", 3)
+            return await asyncio.gather(engine.point(PNG_BYTES, "w17", 3), engine.detect(PNG_BYTES, "w17", 3))
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == [want["point"], want["detect"]]
+    _idle(llm)
 
 
 def test_grpc_applies_the_documented_conversions(served):
@@ -360,6 +397,26 @@ def test_grpc_with_a_text_model_refuses_skills(text_llm):
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------------
+def test_cli_point_and_detect(llm, checkpoint, tmp_path, capsys, monkeypatch):
+    from jphoton import cli
+
+    image = tmp_path / "picture.png"
+    image.write_bytes(PNG_BYTES)
+    built = []
+    monkeypatch.setattr(cli, "build_llm", lambda *args, **kwargs: built.append(args) or llm)
+    for argv in (["point", str(tmp_path / "missing.png"), "w1"], ["detect", str(image), " "],
+                 ["point", str(image), "w1", "--max-objects", "0"]):
+        assert cli.main([*argv, "--model", checkpoint]) == 2
+        assert capsys.readouterr().err.startswith("jphoton: error: ")
+    assert not built
+    for skill in ("point", "detect"):
+        assert cli.main([skill, str(image), "w17", "--model", checkpoint, "--max-objects", "2"]) == 0
+        lines = capsys.readouterr().out.split("\n")[:-1]
+        want = getattr(llm, skill)(PNG_BYTES, "w17", max_objects=2)
+        assert [tuple(float(v) for v in line.split()) for line in lines] == [
+            tuple(round(v, 4) for v in o) for o in want]
+
+
 def test_cli_query_and_caption(llm, checkpoint, tmp_path, capsys, monkeypatch):
     from jphoton import cli
 

@@ -68,7 +68,7 @@ def quick_to_prepare(prompt, params: SamplingParams | None) -> bool:
     """A request whose preparation is bounded and short: token ids or a short text, no constraint to compile, no chat
     template. The driving thread prepares these itself, in the pass they arrive, rather than on a worker thread whose
     result waits for the next pass (~1 step of TTFT)."""
-    if params is not None and params.constraint is not None:
+    if isinstance(params, SamplingParams) and params.constraint is not None:  # (SpatialParams: none)
         return False
     if isinstance(prompt, SkillPrompt):  # an image still to decode and crop (10-50 ms) never is
         return (prompt.image is None or isinstance(prompt.image, ImageInput)) and quick_to_prepare(prompt.text, None)

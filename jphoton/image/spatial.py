@@ -94,3 +94,12 @@ def normalize(objects: list[tuple[int, ...]], coord_bins: int, size_bins: int) -
                 for v in b[2:])
         out.append((x - w / 2, y - h / 2, x + w / 2, y + h / 2))
     return out
+
+
+def answer_of(skill: str, token_ids: list[int], max_objects: int = DEFAULT_MAX_OBJECTS) -> SpatialAnswer:
+    """A point / detect request's answer rebuilt from its streamed ids (a text id, the eos that ended it, is skipped)."""
+    answer = SpatialAnswer(skill, max_objects)
+    for t in token_ids:
+        if t < 0:
+            answer.push(t)
+    return answer

@@ -58,10 +58,13 @@ def lora_error(llm, e: BaseException) -> LoraError:
 def request_limits(llm) -> dict:
     """What the gRPC frontend checks a request against before it parses the request in full (jphoton/server/service.py
     RequestBounds): LLM.text_limits() (max_prompt_bytes, bytes_per_token, max_model_len) and EngineConfig.limits; and
-    "image_geometry", the CropGeometry a frontend prepares images with (None: the model takes no images)."""
+    "image_geometry", the CropGeometry a frontend prepares images with (None: the model takes no images); "region_bins"
+    (the point / detect answers' bins; None: no spatial skills)."""
     vision = llm.model.vision
+    spatial = vision is not None and getattr(llm.model, "spatial", None) is not None
     return {**llm.text_limits(), **dataclasses.asdict(llm.engine_config.limits),
-            "image_geometry": None if vision is None else CropGeometry.of(vision)}
+            "image_geometry": None if vision is None else CropGeometry.of(vision),
+            "region_bins": vision.region_bins if spatial else None}
 
 
 def _stop_building(signum, frame) -> None:

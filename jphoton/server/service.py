@@ -23,8 +23,8 @@ import grpc
 
 from jphoton.async_llm import AsyncLLM
 from jphoton.engine.driver import PREPARE_THREADS, SkillPrompt
-from jphoton.image import skills
-from jphoton.params import SamplingParams, short
+from jphoton.image import skills, spatial
+from jphoton.params import SamplingParams, SpatialParams, short
 from jphoton.server import jphoton_pb2 as pb
 from jphoton.server.engine_loop import request_limits
 from jphoton.server.engine_process import LORA_WAIT_S, EngineDied, EngineProcess, LoraError, Rejected, lora_error
@@ -98,7 +98,8 @@ class EngineServicer:
             self.engine = AsyncLLM(llm)
         self.bounds = RequestBounds.of(limits)
         if limits.get("image_geometry") is not None:
-            self.image_limits = {k: limits[k] for k in ("image_geometry", "max_image_pixels", "max_image_bytes")}
+            self.image_limits = {k: limits.get(k) for k in ("image_geometry", "max_image_pixels", "max_image_bytes",
+                                                            "region_bins")}
 
     def engine_failure(self) -> str | None:
         """Why the attached engine cannot serve (its process or thread died, or it stalled), or None."""
@@ -122,8 +123,15 @@ class EngineServicer:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the model was still loading; retry")
         try:
             prompt = self._prompt(request)
-            params = sampling_params(request.sampling, request.lora,
-                                     skills.DEFAULTS if isinstance(prompt, SkillPrompt) else None)
+            if isinstance(prompt, SkillPrompt) and prompt.skill in spatial.MODES:
+                if request.HasField("sampling") or request.lora:
+                    raise ValueError(f"skill {prompt.skill!r} decodes greedily: sampling and lora do not apply")
+                params = SpatialParams(request.max_objects or spatial.DEFAULT_MAX_OBJECTS)
+            else:
+                if request.max_objects:
+                    raise ValueError("max_objects is for skills 'point' and 'detect'")
+                params = sampling_params(request.sampling, request.lora,
+                                         skills.DEFAULTS if isinstance(prompt, SkillPrompt) else None)
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or self._new_id()
@@ -148,7 +156,8 @@ class EngineServicer:
             self._live[rid] = engine_id
             self.calls += 1
             try:
-                async for msg in self._stream(engine_id, outputs, rid, t_arrival, context):
+                spatial_skill = prompt.skill if isinstance(params, SpatialParams) else None
+                async for msg in self._stream(engine_id, outputs, rid, t_arrival, context, spatial_skill):
                     yield msg
             finally:
                 del self._live[rid]
@@ -253,10 +262,13 @@ class EngineServicer:
             error = lora_error(self.llm, e)
         await _abort(context, _LORA_CODES.get(error.kind, grpc.StatusCode.INTERNAL), str(error))
 
-    async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context):
+    async def _stream(self, engine_id: int, outputs: asyncio.Queue, rid: str, t_arrival: float, context,
+                      spatial_skill: str | None = None):
         """Turn the engine's Outputs into messages. Outputs that queued up while the client was slow are merged into
         one message (fewer, larger writes under load). Leaving early (client cancel, deadline) aborts the request:
-        the engine frees its KV pages once no in-flight step references it."""
+        the engine frees its KV pages once no in-flight step references it. A point / detect request's values are
+        kept here and sent as points / boxes in its last message."""
+        values: list[int] = []
         finished = False
         first = True
         last_token_at = None
@@ -280,7 +292,9 @@ class EngineServicer:
                     msg.request_id = rid
                 for out in batch:
                     d = out.delta
-                    if d.token_ids:
+                    if spatial_skill is not None:
+                        values += d.token_ids
+                    elif d.token_ids:
                         msg.token_ids.extend(d.token_ids)
                         if self.metrics is not None:
                             if last_token_at is None:
@@ -303,6 +317,13 @@ class EngineServicer:
                     if out.choice is not None:
                         msg.choice_index, scores = out.choice
                         msg.choice_scores.extend(scores)
+                    if spatial_skill is not None and reason != "error":
+                        found = spatial.answer_of(spatial_skill, values).normalized(*self.image_limits["region_bins"])
+                        for o in found:
+                            if spatial_skill == "point":
+                                msg.points.add(x=o[0], y=o[1])
+                            else:
+                                msg.boxes.add(x_min=o[0], y_min=o[1], x_max=o[2], y_max=o[3])
                 if self.metrics is not None:
                     self.metrics.generation_tokens.inc(len(msg.token_ids))
                     if first:
@@ -362,11 +383,22 @@ class EngineServicer:
             raise ValueError(f"model {self.engine.info['name']!r} takes no images: image, skill and length are for a "
                              "Moondream checkpoint")
         if not skill:
-            raise ValueError("an image or a length needs skill 'query' or 'caption'")
-        if skill not in ("query", "caption"):
-            raise ValueError(f"skill must be 'query' or 'caption' (empty: text generation), got {short(skill)}")
+            raise ValueError("an image or a length needs skill 'query', 'caption', 'point' or 'detect'")
+        if skill not in ("query", "caption", *spatial.MODES):
+            raise ValueError("skill must be 'query', 'caption', 'point' or 'detect' (empty: text generation), got "
+                             f"{short(skill)}")
         if request.WhichOneof("input") == "token_ids" or request.chat:
             raise ValueError(f"skill {skill!r} builds its own prompt: token_ids and chat do not apply")
+        if skill in spatial.MODES:
+            if self.image_limits.get("region_bins") is None:
+                raise ValueError(f"model {self.engine.info['name']!r} has no point / detect skills")
+            if request.length:
+                raise ValueError("length is for skill 'caption'")
+            if not request.image:
+                raise ValueError(f"skill {skill!r} needs an image")
+            if not request.text.strip():
+                raise ValueError(f"skill {skill!r}: the object (text) is empty")
+            return SkillPrompt(skill, request.image, request.text)
         if skill == "caption":
             if request.text:
                 raise ValueError("skill 'caption' takes no text (length picks short, normal or long)")
