@@ -163,11 +163,22 @@ class AsyncLLM:
                     if not busy and not driver.idle():
                         self._wake.wait(timeout=0.05)
                         self._wake.clear()
+                self._land_zombies()
         except BaseException as e:  # a bug, not bad input: fail every waiting caller loudly rather than hang them
             log.exception("engine loop died")
             self._error = e
             for loop, sink in list(self._sinks.values()):
                 loop.call_soon_threadsafe(sink.put_nowait, None)
+
+    def _land_zombies(self) -> None:
+        """At shutdown: commit the steps still in flight when every request in them has finished (zombies), so that
+        their pages come back now; live requests are left to whoever drives the LLM next."""
+        llm = self.llm
+        for _ in range(4):  # (at most pipeline depth steps are in flight)
+            with llm._engine_lock:
+                if not llm.engine.has_work() or not all(s.finalized for s in llm.engine.sequences.values()):
+                    return
+                llm.step()
 
     def _drain_commands(self, driver) -> None:
         while True:

@@ -19,7 +19,7 @@ JAX_FREE = ("jphoton.engine.scheduler", "jphoton.engine.plan", "jphoton.engine.p
             "jphoton.constrain.compiler", "jphoton.constrain.choice", "jphoton.constrain.automaton",
             "jphoton.constrain.json_regex", "jphoton.text.tokenizer", "jphoton.models.config", "jphoton.engine.driver",
             "jphoton.engine.lifecycle", "jphoton.requests", "jphoton.server.wire", "jphoton.image.decode", "jphoton.image",
-            "jphoton.image.crops", "jphoton.image.skills", "jphoton.engine.images")
+            "jphoton.image.crops", "jphoton.image.skills", "jphoton.image.spatial", "jphoton.engine.images")
 
 
 @pytest.mark.parametrize("module", JAX_FREE)

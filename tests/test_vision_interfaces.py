@@ -358,6 +358,17 @@ def test_point_and_detect_over_grpc_async_and_llm_agree(served, llm):
 
     assert asyncio.run(run()) == [want["point"], want["detect"]]
     _idle(llm)
+    for _ in range(5):  # shut down as the answer arrives, its zombie step still in flight: landed by the shutdown
+
+        async def once():
+            engine = AsyncLLM(llm)
+            try:
+                return await engine.point(PNG_BYTES, "w17", 3)
+            finally:
+                engine.shutdown()
+
+        assert asyncio.run(once()) == want["point"]
+        _idle(llm)
 
 
 def test_grpc_applies_the_documented_conversions(served):
