@@ -8,7 +8,8 @@ the same names, prompts and token counts.
 Rows: start-up (process start -> `LLM()` returned, and -> every step shape compiled), first token of one 128-token
 text query (p50 of 5), decode at batch 1 (256 tokens, p50 of 3), output tokens/s with 32 and 64 concurrent text queries
 (128 in, 256 out, 2 reps), an image query (a random 378x378 JPEG + 8-word question, 32 tokens: 3 cold images, the
-first a warm-up, then one repeated: a prefix-cache hit) and a caption; every answer runs to max_tokens (ignore_eos).
+first a warm-up, then one repeated: a prefix-cache hit), a caption, and point / detect (cold and cached image); every
+text answer runs to max_tokens (ignore_eos).
 The text prompts are kestrel's: random words `w<id>` of the checkpoint's word-level tokenizer (one id each).
 --variants: decode at batch 1 and device step times for other `matmul` kinds (each a fresh engine in this process).
 --smoke: a tiny random checkpoint on the CPU with few tokens (tests/test_benchmarks.py).
@@ -163,6 +164,17 @@ def measure(llm, args, out_file, rng: random.Random, tag: str) -> None:
                                       SamplingParams(max_tokens=args.image_tokens, **greedy))
         emit(out_file, m="caption", engine=tag, length="short", ttft_ms=round(1e3 * first, 2),
              wall_ms=round(1e3 * wall, 2), tokens=n)
+        # point / detect as the kit asks kestrel (its objects w2000 / w2001, 16 answer steps: 8 points, 5 boxes), on
+        # a new image (cold: decode, encoder, prefill) and on it again (cached); the objects found are reported
+        # (greedy answers that end at eos run fewer steps)
+        for skill, obj, limit, seed in (("point", "w2000", 8, 11), ("detect", "w2001", 5, 12)):
+            image = jpeg(seed, args.image_size)
+            runs = {}
+            for label in ("cold", "cached"):
+                t = time.perf_counter()
+                found = getattr(llm, skill)(image, obj, max_objects=limit)
+                runs[label] = {"wall_ms": round(1e3 * (time.perf_counter() - t), 2), "objects": len(found)}
+            emit(out_file, m=skill, engine=tag, object=obj, max_objects=limit, **runs)
 
 
 def report(folder: str) -> str:
@@ -217,6 +229,16 @@ def report(folder: str) -> str:
                      f"{f'{ratio:.3f}' if ratio is not None else '-'} | {tgt} | {met} |")
     ready = get(j, "startup", "all_shapes_ready_since_start_s")
     cache = next((r.get("compile_cache") for r in j.get("startup", [])), None)
+    for skill in ("point", "detect"):
+        kk = get(k, "image_skills", skill, "wall_ms")
+        for label in ("cold", "cached"):
+            jj = get(j, skill, label, "wall_ms")
+            ratio = jj / kk if jj is not None and kk else None
+            met = "" if ratio is None else ("yes" if ratio <= 0.8 else "no")
+            lines.append(f"| {skill} 378x378 ({label}; kestrel: after a caption of its image), wall ms, objects "
+                         f"{get(j, skill, label, 'objects')} | {jj if jj is not None else '-'} | "
+                         f"{kk if kk is not None else '-'} | {f'{ratio:.3f}' if ratio is not None else '-'} | "
+                         f"<= 0.8x | {met} |")
     cap_j, cap_k = get(j, "caption", "wall_ms"), get(k, "image_skills", "caption", "wall_ms")
     lines.append(f"\njphoton's start with a {cache} compile cache; every step shape compiled: {ready} s after start; "
                  f"caption (short, 32 tokens, cached image): "

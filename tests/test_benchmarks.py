@@ -257,11 +257,17 @@ def test_moondream_rows_variant_and_report(tmp_path):
     image = by["image_query"][0]
     assert image["repeat_image"]["ttft_ms"] > 0 and image["image_cache_hits"] >= 1 and image["prefix_hit_tokens"] > 0
     assert by["serving"][0]["kv_pages_leaked"] == 0  # (compiles_while_serving: the smoke engine compiles on use)
+    for skill, limit in (("point", 8), ("detect", 5)):
+        [r] = by[skill]
+        assert r["cold"]["wall_ms"] > 0 and r["cached"]["wall_ms"] > 0 and 0 <= r["cold"]["objects"] <= limit
+        assert r["cached"]["objects"] == r["cold"]["objects"]  # (greedy: the same answer)
     kestrel = [{**r, "engine": "kestrel"} for r in rows if r["m"] in ("decode_b1", "image_query")][:2]
+    kestrel.append({"m": "image_skills", "engine": "kestrel", "point": {"wall_ms": 98.4}, "detect": {"wall_ms": 14.1}})
     (tmp_path / "moondream_kestrel.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kestrel))
     table = subprocess.run(["python3", str(ROOT / "benchmarks" / "moondream.py"), "--report", str(tmp_path)],
                            capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert "| decode at batch 1, ms/token (p50) |" in table and "<= 0.8x" in table, table
+    assert "| point 378x378 (cached;" in table and "| detect 378x378 (cold;" in table and "| 98.4 |" in table, table
 
 
 def test_startup(tmp_path):
