@@ -234,3 +234,27 @@ def test_spatial_rows_preempted_and_recomputed_give_the_same_bins(tmp_path):
         bins, _ = _run_spatial(llm, runs, entry["max_objects"])
         assert llm.stats()["preemptions"] > 0  # (here: 3, after 0, 7 and 14 committed spatial ids)
     assert bins == [r[3] for r in runs]
+
+
+@pytest.mark.parametrize("filtered, masked", [(True, False), (False, True)])
+def test_the_second_sampler_keeps_spatial_ids(filtered, masked):
+    """A step with top-k / top-p or grammar rows re-samples every row in the second sampler (engine/step.py
+    `resample`): a spatial row's id (image/spatial.py) is its value, not a sample, and stays; NONFINITE stays too."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jphoton.engine.slots import NONFINITE
+    from jphoton.engine.step import SAMPLER_ROW_FIELDS, SamplerColumns, resample
+    from jphoton.image import spatial
+
+    R, V = 4, 64
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(R, V)), jnp.float32)
+    tokens = jnp.asarray([spatial.x_id(17), 5, spatial.size_id(3, 900), NONFINITE], jnp.int32)
+    rows = np.zeros((R, SAMPLER_ROW_FIELDS), np.int32)
+    rows[:, SamplerColumns.TOP_P] = np.float32(1.0).view(np.int32)
+    mask = np.full((R, V // 32), -1, np.int32) if masked else np.zeros((0,), np.int32)
+    inputs = jnp.asarray(np.concatenate([mask.reshape(-1), rows.reshape(-1)]))
+    out, *_ = resample(filtered, 0, masked, logits, tokens, None, None, jnp.zeros((0,), jnp.int32), inputs)
+    out = np.asarray(out)
+    assert out[0] == spatial.x_id(17) and out[2] == spatial.size_id(3, 900) and out[3] == NONFINITE
+    assert out[1] == int(np.argmax(np.asarray(logits[1])))  # (temperature 0: the text row re-sampled greedily)
