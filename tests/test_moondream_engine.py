@@ -66,15 +66,21 @@ def _answer(token_ids: list[int], finish_reason: str) -> list[int]:
     return token_ids
 
 
-def _run_batch(llm, requests) -> list[list[int]]:
-    """All requests in flight at once (the engine batches them as it can), in the order given."""
-    seqs = [llm.prepare_skill(skill, image, text, GREEDY) for skill, image, text, _ in requests]
+def _drive(llm, seqs) -> tuple[list[int], dict, dict]:
+    """Queue the prepared requests at once and step the engine until all end: (ids, tokens by id, finish reasons)."""
     ids = [llm.add_request(s) for s in seqs]
     tokens, reasons = {i: [] for i in ids}, {}
     while llm.has_unfinished_requests():
         for out in llm.step():
             tokens[out.request_id] += out.delta.token_ids
             reasons[out.request_id] = out.delta.finish_reason
+    return ids, tokens, reasons
+
+
+def _run_batch(llm, requests) -> list[list[int]]:
+    """All requests in flight at once (the engine batches them as it can), in the order given."""
+    ids, tokens, reasons = _drive(llm, [llm.prepare_skill(skill, image, text, GREEDY)
+                                        for skill, image, text, _ in requests])
     return [_answer(tokens[i], reasons[i]) for i in ids]
 
 
@@ -145,12 +151,7 @@ def _run_spatial(llm, runs, max_objects, extra=()) -> tuple[list[list[list[int]]
 
     seqs = [llm.prepare_skill(skill, image, obj, SpatialParams(max_objects)) for skill, image, obj, _ in runs]
     seqs += [llm.prepare_skill(skill, image, text, GREEDY) for skill, image, text, _ in extra]
-    ids = [llm.add_request(s) for s in seqs]
-    tokens, reasons = {i: [] for i in ids}, {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            tokens[out.request_id] += out.delta.token_ids
-            reasons[out.request_id] = out.delta.finish_reason
+    ids, tokens, reasons = _drive(llm, seqs)
     bins = [[list(o) for o in s.completion().objects] for s in seqs[:len(runs)]]
     for i in ids[:len(runs)]:  # every value came back as a spatial id, eos aside
         assert all(t <= -2**24 for t in tokens[i][:len(tokens[i]) - (reasons[i] == "stop")]), tokens[i]
