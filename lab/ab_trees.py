@@ -28,23 +28,28 @@ LONG_CASES = {"b64": (64, 128), "prefill6k": (1, 6000)}
 NEW_TOKENS = 256  # --new-tokens' default
 
 
-def child(model: str, case_names: list[str], new_tokens: int = NEW_TOKENS) -> dict:
-    """Runs inside the tree under test."""
+def child(model: str, case_names: list[str], new_tokens: int = NEW_TOKENS, options: dict | None = None) -> dict:
+    """Runs inside the tree under test; options: LLM keywords over the cases' own (JSON lists become tuples)."""
     from jphoton import LLM
+
+    def tup(v):
+        return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+    extra = {k: tup(v) for k, v in (options or {}).items()}
 
     out = {}
     short = [c for c in case_names if c in CASES]
     if short:
-        llm = LLM(model, pipeline_depth=2, max_model_len=1024, max_num_seqs=32,
-                  decode_buckets=(1, 32), prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
-                  num_kv_pages=33 * 64 + 8, warmup=False, progress=False)
+        llm = LLM(model, **{**dict(pipeline_depth=2, max_model_len=1024, max_num_seqs=32, decode_buckets=(1, 32),
+                                   prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 32,
+                                   num_kv_pages=33 * 64 + 8, warmup=False, progress=False), **extra})
         out.update(_decode_cases(llm, short, CASES, new_tokens))
         del llm
     long = [c for c in case_names if c in LONG_CASES]
     if long:
-        llm = LLM(model, pipeline_depth=2, max_model_len=8192, max_num_seqs=64, decode_buckets=(1, 64),
-                  prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 64,
-                  num_kv_pages=64 * 24 + 400, warmup=False, progress=False)
+        llm = LLM(model, **{**dict(pipeline_depth=2, max_model_len=8192, max_num_seqs=64, decode_buckets=(1, 64),
+                                   prefill_buckets=((1, 512), (32, 128)), max_num_batched_tokens=32 * 128 + 64,
+                                   num_kv_pages=64 * 24 + 400, warmup=False, progress=False), **extra})
         out.update(_decode_cases(llm, [c for c in long if c != "prefill6k"], LONG_CASES, new_tokens))
         if "prefill6k" in long:
             out["prefill6k"] = _prefill_case(llm, LONG_CASES["prefill6k"][1])
@@ -148,11 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *LONG_CASES])
     ap.add_argument("--model", default="random:llama3.2-1b")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--options", default="{}", help="LLM keywords as JSON over the cases' own (an image model needs a "
+                    "prefill bucket that holds its image prefix: '{\"prefill_buckets\": [[1, 768], [32, 128]]}')")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.model, args.cases, args.new_tokens)), flush=True)
+        print("RESULT " + json.dumps(child(args.model, args.cases, args.new_tokens, json.loads(args.options))), flush=True)
         return 0
     trees = dict(t.split("=", 1) for t in args.trees)
     runs = []
@@ -161,7 +168,7 @@ def main(argv=None) -> int:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(path), os.environ.get("PYTHONPATH", "")])}
             t0 = time.perf_counter()
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--cases", *args.cases,
-                   "--new-tokens", str(args.new_tokens)]
+                   "--new-tokens", str(args.new_tokens), "--options", args.options]
             proc = subprocess.run(cmd, cwd=os.path.abspath(path), env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
