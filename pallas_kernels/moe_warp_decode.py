@@ -5,7 +5,8 @@ reference.
 weight row is read once a step; `down`: a program owns output rows of one token and sums over its top-k experts.
 No per-expert padding, no gather/scatter/combine buffer: h is one fp32 row per (token, expert) pair. Slots: "pairs",
 "experts", or "auto" (pairs while T*K < E / 2). Weights w_gate, w_up [E, F, D] and w_down [E, D, F] (HF's [out, in]
-per expert), or [L, ...] stacks with a traced `layer`, never sliced into a copy.
+per expert), or [L, ...] stacks with a traced `layer`, never sliced into a copy. Activations (`ACTIVATIONS`): "silu",
+SiLU(gate) * up (Qwen3-MoE); "gelu_plus1", GELU(gate) * (up + 1) with the exact (erf) GELU (Moondream 3).
 Design: docs/kernels.md, "Warp decode for MoE"; numbers: docs/decisions.md, "Prefix caching, LoRA, tensor parallelism, MoE".
 """
 
@@ -30,6 +31,23 @@ log = logging.getLogger("jphoton.kernels")
 # Most tokens one kernel call takes: gate_up keeps a [tokens, BF] fp32 accumulator pair in registers. Larger steps
 # (prefill, when warp decode is forced) run in chunks of this many tokens, each re-reading its experts' weights.
 MAX_ROWS = 64
+ACTIVATIONS = ("silu", "gelu_plus1")
+
+
+def _erf(x):
+    """erf in float32 from exp alone (Triton has no erf): Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7."""
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    y = 1.0 - poly * jnp.exp(-a * a)
+    return jnp.where(x < 0, -y, y)
+
+
+def activate(g, u, activation: str):
+    """The expert's hidden row from its two projections (float32): what `ACTIVATIONS` names."""
+    if activation == "silu":
+        return g / (1.0 + jnp.exp(-g)) * u
+    return 0.5 * g * (1.0 + _erf(g * 0.7071067811865476)) * (u + 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +111,7 @@ def _compiler_params(warps: int, stages: int):
 
 
 def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, T, K, KK, D, F, M, BF, BK,
-                    unroll):
+                    unroll, activation):
     fb, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     e = slots_ref[s]
@@ -132,13 +150,15 @@ def _gate_up_kernel(layer_ref, slots_ref, ids_ref, x_ref, wg_ref, wu_ref, h_ref,
 
         zeros = jnp.zeros((M, BF), jnp.float32)
         acc_g, acc_u = _loop(pl.cdiv(D, BK), body, (zeros, zeros), unroll)
-        h = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u
+        h = activate(acc_g, acc_u, activation)
         rows = tt * K + k_of  # pair index of (token, e); masked rows never write
         plgpu.store(h_ref.at[rows[:, None], fcols[None, :]], h.astype(h_ref.dtype), mask=hit[:, None] & fmask[None, :])
 
 
-def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, interpret: bool) -> jax.Array:
-    """h [T*K, F] float32: SiLU(x W_gate^T) * (x W_up^T) for every (token, routed expert) pair, row t*K + k."""
+def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, interpret: bool,
+            activation: str = "silu") -> jax.Array:
+    """h [T*K, F] float32: act(x W_gate^T, x W_up^T) (`activate`) for every (token, routed expert) pair, row
+    t*K + k."""
     T, D = x.shape
     K = topk_ids.shape[1]
     _, _, F, _ = w_gate.shape
@@ -147,14 +167,14 @@ def gate_up(x, topk_ids, slots, w_gate, w_up, layer, cfg: WarpDecodeConfig, inte
     # Tiles are sized for 2-byte weights; 4-byte ones get half the hidden-dim chunk (same bytes in shared memory).
     BK = min(max(16, cfg.block_k * 2 // w_gate.dtype.itemsize), max(16, _pow2(D)))
     kernel = functools.partial(_gate_up_kernel, T=T, K=K, KK=_pow2(K), D=D, F=F, M=M, BF=BF, BK=BK,
-                               unroll=cfg.unroll_gate_up)
+                               unroll=cfg.unroll_gate_up, activation=activation)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(F, BF), slots.shape[0]),
         out_shape=jax.ShapeDtypeStruct((T * K, F), jnp.float32),
         interpret=interpret,
         compiler_params=_compiler_params(cfg.warps_gate_up, cfg.stages_gate_up),
-        name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}{'_unrolled' if cfg.unroll_gate_up else ''}",
+        name=f"moe_warp_gate_up_M{M}_BF{BF}_BK{BK}{'_unrolled' if cfg.unroll_gate_up else ''}_{activation}",
     )(layer, slots, topk_ids, x, w_gate, w_up)
 
 
@@ -249,16 +269,21 @@ def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
 
 @traced_once
 def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None, *,
-                    config: WarpDecodeConfig | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
+                    config: WarpDecodeConfig | None = None, interpret: bool | None = None, out_dtype=None,
+                    activation: str = "silu") -> jax.Array:
     """The routed-experts part of a MoE layer for T tokens: y[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t]).
 
     x [T, D] (bf16 or f32); topk_ids [T, K] int; topk_weights [T, K] (used in fp32); w_gate, w_up [E, F, D] and
     w_down [E, D, F], or stacked [L, ...] with `layer` (a Python int or a traced scalar). Returns [T, D] in out_dtype
-    (default x.dtype). interpret: None = interpret mode unless the default backend is a GPU."""
+    (default x.dtype). interpret: None = interpret mode unless the default backend is a GPU. activation: one of
+    `ACTIVATIONS`."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if x.shape[0] > MAX_ROWS:  # a prefill-sized step (only when warp decode is forced): bounded register tiles
         return jnp.concatenate([
             moe_warp_decode(x[i:i + MAX_ROWS], topk_ids[i:i + MAX_ROWS], topk_weights[i:i + MAX_ROWS], w_gate, w_up,
-                            w_down, layer, config=config, interpret=interpret, out_dtype=out_dtype)
+                            w_down, layer, config=config, interpret=interpret, out_dtype=out_dtype,
+                            activation=activation)
             for i in range(0, x.shape[0], MAX_ROWS)])
     w_gate, layer_arr = _as_stacked(w_gate, layer)
     w_up, _ = _as_stacked(w_up, layer)
@@ -274,7 +299,7 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
     slots = _slots(ids, E, cfg.slots)
     with warnings.catch_warnings():  # jax 0.11 warns that the Triton backend is deprecated, once per trace
         warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        h = gate_up(x, ids, slots, w_gate, w_up, layer_arr, cfg, interp)
+        h = gate_up(x, ids, slots, w_gate, w_up, layer_arr, cfg, interp, activation)
         return down(h, ids, topk_weights.astype(jnp.float32), w_down, layer_arr, out_dtype or x.dtype, cfg, interp)
 
 
@@ -282,8 +307,9 @@ def moe_warp_decode(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None,
 # float32 reference
 
 
-def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
-    """Plain jnp, float32 throughout (weights upcast), one top-k slot at a time: the numerical oracle. Returns f32."""
+def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None, activation: str = "silu") -> jax.Array:
+    """Plain jnp, float32 throughout (weights upcast), one top-k slot at a time: the numerical oracle (exact erf GELU
+    for "gelu_plus1"). Returns f32."""
     if w_gate.ndim == 4:
         w_gate, w_up, w_down = w_gate[layer], w_up[layer], w_down[layer]
     xf = x.astype(jnp.float32)
@@ -293,7 +319,7 @@ def moe_reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, layer=None) -
         e = topk_ids[:, k]
         g = jnp.einsum("td,tfd->tf", xf, w_gate[e].astype(jnp.float32), precision=hi)
         u = jnp.einsum("td,tfd->tf", xf, w_up[e].astype(jnp.float32), precision=hi)
-        h = jax.nn.silu(g) * u
+        h = jax.nn.silu(g) * u if activation == "silu" else jax.nn.gelu(g, approximate=False) * (u + 1.0)
         y = jnp.einsum("tf,tdf->td", h, w_down[e].astype(jnp.float32), precision=hi)
         out = out + topk_weights[:, k].astype(jnp.float32)[:, None] * y
     return out

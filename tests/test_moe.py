@@ -205,8 +205,24 @@ def test_warp_decode_matches_the_float32_reference(case):
         assert rel_err(out32, np.asarray(moe_reference(*f32, layer))) < 2e-6
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_gelu_plus1_experts_match_the_float32_reference(T):
+    """Moondream 3's experts, exact GELU(gate) * (up + 1): the kernel (its erf from exp), the expert-centric path and
+    the reference (jax.nn.gelu, erf) agree in float32; SiLU's answer is far from them (the option is used)."""
+    E, K, D, F = 8, 3, 40, 24
+    x, ids, w, wg, wu, wd = make_problem(T, E, K, D, F, layers=2, pool=None, seed=40 + T)
+    f32 = [a if a is ids else a.astype(jnp.float32) for a in (x, ids, w, wg, wu, wd)]
+    ref = np.asarray(moe_reference(*f32, 1, activation="gelu_plus1"))
+    assert rel_err(moe_warp_decode(*f32, layer=1, activation="gelu_plus1"), ref) < 2e-6
+    assert rel_err(moe.expert_centric(*f32, layer=1, activation="gelu_plus1"), ref) < 2e-6
+    assert rel_err(np.asarray(moe_reference(*f32, 1)), ref) > 0.1
+    with pytest.raises(ValueError, match="activation"):
+        moe_warp_decode(*f32, layer=1, activation="relu")
+
+
 @pytest.mark.parametrize("T", [1, 8, 64])
-@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (16, 4, 72, 40)], ids=["qwen3-30b-a3b", "odd"])
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (16, 4, 72, 40), (64, 8, 2048, 1024)],
+                         ids=["qwen3-30b-a3b", "odd", "moondream3"])
 def test_kernels_lower_to_triton_for_the_gpu(T, shape, monkeypatch):
     """Cross-lower for CUDA (no GPU needed): every op in both kernels has a Pallas Triton lowering rule and the Triton
     IR is built. (Triton's own compile to PTX happens on the GPU.)"""
@@ -224,7 +240,9 @@ def test_kernels_lower_to_triton_for_the_gpu(T, shape, monkeypatch):
     args = [jax.ShapeDtypeStruct(s, d) for s, d in (
         ((T, D), jnp.bfloat16), ((T, K), jnp.int32), ((T, K), jnp.float32), ((L, E, F, D), jnp.bfloat16),
         ((L, E, F, D), jnp.bfloat16), ((L, E, D, F), jnp.bfloat16), ((), jnp.int32))]
-    fn = jax.jit(lambda x, i, w, g, u, d, layer: moe_warp_decode(x, i, w, g, u, d, layer, interpret=False))
+    act = "gelu_plus1" if E == 64 else "silu"
+    fn = jax.jit(lambda x, i, w, g, u, d, layer: moe_warp_decode(x, i, w, g, u, d, layer, interpret=False,
+                                                                 activation=act))
     exported = export.export(fn, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2

@@ -4,8 +4,9 @@ Backends (all take the same stacked expert weights, so switching costs nothing):
 kernels of pallas_kernels/moe_warp_decode.py, for decode-sized steps) and expert_centric (plain JAX: pairs sorted by
 expert, a grouped GEMM with `jax.lax.ragged_dot_general`, bf16 intermediates in a bf16 model, the combine in fp32: for
 prefill and large batches). "auto" picks warp_decode for steps of at most WARP_DECODE_MAX_TOKENS tokens (a static
-shape: once per compiled bucket). Weights per MoE layer, stacked, HF's [out, in] per expert: router [Lm, D, E],
-w_gate / w_up [Lm, E, F, D], w_down [Lm, E, D, F].
+shape: once per compiled bucket). Weights per MoE layer, stacked, HF's [out, in] per expert: router [Lm, D, E]
+(optionally router_b [Lm, E]), w_gate / w_up [Lm, E, F, D], w_down [Lm, E, D, F]. The expert's activation: "silu",
+SiLU(gate) * up (Qwen3-MoE), or "gelu_plus1", exact GELU(gate) * (up + 1) (Moondream 3).
 Numbers: docs/decisions.md, "Prefix caching, LoRA, tensor parallelism, MoE".
 """
 
@@ -37,10 +38,14 @@ def resolve_backend(backend: str, num_tokens: int) -> str:
     return backend
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """x [N, D], router [D, E] -> (ids [N, k] int32, weights [N, k] float32). Softmax over all experts in fp32, top-k,
-    optionally renormalised (HF Qwen3-MoE; HF rounds the weights to the model dtype, we keep them in fp32)."""
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """x [N, D], router [D, E] (+ bias [E]) -> (ids [N, k] int32, weights [N, k] float32). Softmax over all experts in
+    fp32, top-k, optionally renormalised (HF Qwen3-MoE; HF rounds the weights to the model dtype, we keep them in
+    fp32). Renormalised, this equals a softmax over the top-k logits (Moondream 3)."""
     logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -52,7 +57,7 @@ def _layer(w: jax.Array, layer) -> jax.Array:
     return w if layer is None else w[layer]
 
 
-def expert_centric(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+def expert_centric(x, ids, weights, w_gate, w_up, w_down, layer=None, activation: str = "silu") -> jax.Array:
     """Sort pairs by expert, two grouped GEMMs (`ragged_dot_general`), weighted scatter-add combine. Returns x.dtype.
     Intermediates (SiLU(gate)*up and each expert's output) are rounded to x.dtype, as a bf16 grouped-GEMM pipeline
     does; the combine accumulates in fp32."""
@@ -68,27 +73,30 @@ def expert_centric(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Arr
                                            rhs_group_dimensions=[0])
     g = jax.lax.ragged_dot_general(xs, w_gate, group_sizes, dn, preferred_element_type=jnp.float32)
     u = jax.lax.ragged_dot_general(xs, w_up, group_sizes, dn, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    h = (jax.nn.silu(g) * u if activation == "silu" else jax.nn.gelu(g, approximate=False) * (u + 1)).astype(x.dtype)
     y = jax.lax.ragged_dot_general(h, w_down, group_sizes, dn, preferred_element_type=jnp.float32).astype(x.dtype)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def warp_decode(x, ids, weights, w_gate, w_up, w_down, layer=None) -> jax.Array:
+def warp_decode(x, ids, weights, w_gate, w_up, w_down, layer=None, activation: str = "silu") -> jax.Array:
     from pallas_kernels.moe_warp_decode import moe_warp_decode
 
-    return moe_warp_decode(x, ids, weights, w_gate, w_up, w_down, layer)
+    return moe_warp_decode(x, ids, weights, w_gate, w_up, w_down, layer, activation=activation)
 
 
 _EXPERTS = {"warp_decode": warp_decode, "expert_centric": expert_centric}
 
 
-def moe_ffn(x: jax.Array, mp: dict, layer, top_k: int, norm_topk_prob: bool, backend: str) -> jax.Array:
-    """The MoE feed-forward of one layer. x [..., D]; mp holds the stacked MoE weights (router, w_gate, w_up, w_down)
-    and `layer` indexes them (a Python int or a traced scalar: the kernels index the stack, never slice it)."""
+def moe_ffn(x: jax.Array, mp: dict, layer, top_k: int, norm_topk_prob: bool, backend: str,
+            activation: str = "silu") -> jax.Array:
+    """The MoE feed-forward of one layer. x [..., D]; mp holds the stacked MoE weights (router, optional router_b,
+    w_gate, w_up, w_down) and `layer` indexes them (a Python int or a traced scalar: the kernels index the stack,
+    never slice it)."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
-    ids, weights = route(xf, mp["router"][layer], top_k, norm_topk_prob)
+    ids, weights = route(xf, mp["router"][layer], top_k, norm_topk_prob,
+                         mp["router_b"][layer] if "router_b" in mp else None)
     experts = _EXPERTS[resolve_backend(backend, xf.shape[0])]
-    y = experts(xf, ids, weights, mp["w_gate"], mp["w_up"], mp["w_down"], layer)
+    y = experts(xf, ids, weights, mp["w_gate"], mp["w_up"], mp["w_down"], layer, activation)
     return y.reshape(*lead, x.shape[-1])
