@@ -110,7 +110,7 @@ class LLM:
             self.model = moondream_family(mcfg, params, tok, name, matmul=cfg.kernels.matmul,
                                           unroll_layers=cfg.kernels.unroll_layers,
                                           vision_attention="auto" if cfg.kernels.attention in ("auto", "pallas")
-                                          else "xla")
+                                          else "xla", moe_backend=cfg.kernels.moe_backend)
             del params  # (the serving layout's copies replace the loaded arrays: free them now)
         else:
             k = cfg.kernels
@@ -279,7 +279,8 @@ class LLM:
                 raise ValueError(f"query: the question must be a string, got {type(text).__name__}")
             self.requests.check_prompt_size(text_bytes(text))
         ids, run = skill_prep.skill_prompt(skill, self.requests.encode_within, vision.embed_rows,
-                                           with_image=prepared is not None, question=text, length=text, obj=text)
+                                           with_image=prepared is not None, question=text, length=text, obj=text,
+                                           answer_suffixes=vision.answer_suffixes)
         if answer is not None and len(ids) + answer.steps_needed() > self.requests.max_model_len:
             raise ValueError(f"{skill}: max_objects={answer.max_objects} needs {answer.steps_needed()} positions "
                              f"after the {len(ids)}-token prompt; the context holds {self.requests.max_model_len}")

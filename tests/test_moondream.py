@@ -4,7 +4,9 @@ tests/fixtures/moondream/make_fixtures.py from checkpoints that `write_random_ch
 (same seeds). Checked: the crops (tiling and the uint8 pixels' sha256), the projected image features, the prompt ids
 of every skill, and the greedy ids of `generate_reference` for image queries, captions and text-only queries (config
 "c" raises lm_head biases: answer_id wins the unmasked first step, later steps mask it, eos ends early). Also
-`pool_weights` against a direct stitch + adaptive-average-pool for every tiling of at most 12 crops."""
+`pool_weights` against a direct stitch + adaptive-average-pool for every tiling of at most 12 crops. Moondream 3
+(md3.json, `make_fixtures.py --md3`: its text model from M87's first plain-torch port, the vision reference above):
+image queries, captions and text-only queries, greedy, token for token."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ _spec.loader.exec_module(mf)
 FIX = json.loads((HERE / "fixtures.json").read_text())
 SPATIAL = json.loads((HERE / "spatial.json").read_text())  # point / detect (make_fixtures.py --spatial)
 FEATURES = np.load(HERE / "features.npz")
+MD3 = json.loads((HERE / "md3.json").read_text())  # Moondream 3 (make_fixtures.py --md3)
 IMAGES = mf.make_images()
 CASES = [(c, i) for c, entry in FIX["configs"].items() for i in entry["images"]]
 # features: float32 torch vs float32 XLA after 27 encoder layers; the largest difference seen is 2.5e-6 (abs;
@@ -135,6 +138,36 @@ def test_image_generation_matches_reference(models, embeds, config, image):
 def test_text_only_query_matches_reference(models, config):
     for gen in FIX["configs"][config]["text_only"]:
         _check_generation(models, config, gen, None, skill="query", question=gen["question"])
+
+
+@pytest.mark.parametrize("config", sorted(MD3["configs"]))
+def test_moondream3_generation_matches_reference(tmp_path, config):
+    """Moondream 3's file (MoE from layer moe_start, tau attention, linear region decoders) read back into its
+    config, and generate_reference's greedy ids equal the reference's for image queries (one answer token in the
+    template), captions and text-only queries."""
+    entry = MD3["configs"][config]
+    f = mf.write_checkpoint(tmp_path, config)
+    cfg, host = read_checkpoint(f)
+    want = mf.jphoton_config(config)
+    assert (cfg.text, cfg.vision, cfg.region, cfg.answer_suffixes, cfg.decode_banned) == (
+        want.text, want.vision, want.region, 1, ())
+    params = to_device(host, jnp.float32)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    gens = [(None, g, dict(skill="query", question=g["question"])) for g in entry["text_only"]]
+    for image, item in entry["images"].items():
+        crops, tiling = overlap_crops(IMAGES[image])
+        rows, cols = pool_weights(tiling)
+        feats = vision_project(params, cfg, vision_encode(params, cfg, jnp.asarray(crops)), jnp.asarray(rows),
+                               jnp.asarray(cols))
+        gens += [(feats, g, dict(skill="query", question=g["question"])) for g in item["query"]]
+        gens += [(feats, g, dict(skill="caption", length=g["length"])) for g in item["caption"]]
+    for emb, gen, kw in gens:
+        prompt, _ = skill_prompt(kw.pop("skill"), lambda s: tok.encode(s).ids, 729, with_image=emb is not None,
+                                 answer_suffixes=cfg.answer_suffixes, **kw)
+        body = prompt[730:] if emb is not None else prompt  # (the fixture's image prompts: BOS + the template)
+        assert ([cfg.bos_id, *body] if emb is not None else body) == gen["prompt"]
+        ids = generate_reference(params, cfg, body, emb, max_tokens=MD3["max_tokens"])
+        assert ids == gen["ids"], f"min top-2 margin in the reference {gen['min_margin']:.3g}"
 
 
 @pytest.mark.parametrize(("case", "image"), [(c, i) for c, e in SPATIAL["cases"].items() for i in e["images"]])

@@ -3,9 +3,9 @@ token ids of a query or a caption (`skill_prompt`), per the templates of the 202
 settings (`DEFAULTS`) and the crop geometry a process without the model prepares images with (`CropGeometry`).
 
 Prompt layout (the reference implementation's): with an image, BOS, one placeholder position per image embedding (the
-image run, which starts at 1), then the template; a query's template is prefix + question + suffix + suffix (the
-reference appends the suffix twice when it does not reason); a caption's is its length's template. Without an image
-(text-only query): BOS + the query template, attended causally.
+image run, which starts at 1), then the template; a query's template is prefix + question + suffix, the suffix twice
+for Moondream 2 (its reference appends it twice when it does not reason) and once for Moondream 3 (`answer_suffixes`);
+a caption's is its length's template. Without an image (text-only query): BOS + the query template, attended causally.
 """
 
 from __future__ import annotations
@@ -65,14 +65,15 @@ def prepare(image, vision, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 
 def skill_prompt(skill: str, encode: Callable[[str], list[int]], embed_rows: int, *, with_image: bool,
                  question: str | None = None, length: str = "normal",
-                 obj: str | None = None) -> tuple[list[int], tuple[int, int]]:
+                 obj: str | None = None, answer_suffixes: int = 2) -> tuple[list[int], tuple[int, int]]:
     """(prompt ids, image run (start, length); (0, 0) without an image) for skill "query", "caption", "point" or
-    "detect" (obj: what to find; the reference encodes it after a space)."""
+    "detect" (obj: what to find; the reference encodes it after a space); answer_suffixes: the model's
+    (models/protocol.py Vision)."""
     if skill == "query":
         if not isinstance(question, str) or not question.strip():
             raise ValueError("query: the question must be a non-empty string")
         t = TEMPLATES["query"]
-        body = [*t["prefix"], *encode(question), *t["suffix"], *t["suffix"]]
+        body = [*t["prefix"], *encode(question), *t["suffix"] * answer_suffixes]
     elif skill == "caption":
         if length not in TEMPLATES["caption"]:
             raise ValueError(f"caption: length must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")

@@ -1,4 +1,5 @@
-"""Moondream 2 (the 2025-06 release) as config + params pytree + pure functions: vision encoder, projection, text decoder.
+"""Moondream 2 (the 2025-06 release) and 3 as config + params pytree + pure functions: vision encoder, projection, text
+decoder, region heads.
 
 Text decoder: Phi-style blocks (one LayerNorm with bias feeding attention and a GELU-tanh MLP in parallel, summed into
 the residual), multi-head attention with RoPE on the first `rot_dim` dims of each head, final LayerNorm, LM head with
@@ -7,7 +8,12 @@ bias. Vision: a SigLIP-style ViT over 378x378 crops (patch 14 -> 27x27 = 729 pat
 (`pool_weights`, host side, fixed shape whatever the tiling), concatenated with the global view's and projected by a
 2-layer MLP into the text width. A query's prompt is BOS, the 729 image embeddings (attending to each other
 bidirectionally: the first `prefix_len` positions), then the skill template's tokens (jphoton/image/skills.py).
-Weights: x @ w layout ([in, out]); layers stacked on a leading axis (`param_shapes`). Loader: weights/moondream.py.
+Moondream 3 (`TextConfig.n_experts` > 0): the same block, but from layer `moe_start` on the MLP is a mixture of experts
+(router with bias, top-k, softmax over the chosen; experts GELU(gate) * (up + 1), models/moe.py), and every layer
+scales q and v per head by a learned token term and position term before RoPE (`tau`); the region decoders are a
+LayerNorm and one linear layer each; a query's template ends with its suffix once.
+Weights: x @ w layout ([in, out]); layers stacked on a leading axis (`param_shapes`): Moondream 3 keeps attention in
+`layers` (all layers), the dense MLPs in `dense` and the experts in `moe`. Loader: weights/moondream.py.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphoton.image import spatial
+from jphoton.models import moe
 from jphoton.models.matmul import PlainMatmul
 
 Params = dict[str, Any]
@@ -37,10 +44,20 @@ class TextConfig:
     rot_dim: int = 32
     rope_theta: float = 10000.0
     ln_eps: float = 1e-5
+    n_experts: int = 0  # 0: a dense MLP in every layer (Moondream 2); else the layers from moe_start on are MoE
+    experts_per_token: int = 8
+    expert_dim: int = 1024
+    moe_start: int = 4
+    tau: bool = False  # q and v scaled per head by a token term and a position term (Moondream 3)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def n_dense(self) -> int:
+        """Layers with a dense MLP: the first ones."""
+        return min(self.moe_start, self.n_layers) if self.n_experts else self.n_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +90,7 @@ class RegionConfig:
     size_feat_dim: int = 512
     size_out_dim: int = 2048
     inner_dim: int = 8192
+    linear_decoders: bool = False  # Moondream 3: a LayerNorm, then one linear layer per decoder (no inner MLP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +104,9 @@ class MoondreamConfig:
     coord_id: int = 5
     size_id: int = 6
     name: str = "moondream2"
+    answer_suffixes: int = 2  # how often a query's template ends with its suffix (the reference: 2; Moondream 3: 1)
+    # tokens masked in every decode step after the first: the Moondream 2 reference masks answer_id; Moondream 3 none
+    decode_banned: tuple[int, ...] = (3,)
 
     @property
     def prefix_len(self) -> int:
@@ -97,12 +118,21 @@ def param_shapes(cfg: MoondreamConfig) -> Params:
     t, v, r = cfg.text, cfg.vision, cfg.region
     L, D, F, V = t.n_layers, t.dim, t.ff_dim, t.vocab_size
     Lv, E, Fv, P = v.n_layers, v.enc_dim, v.ff_dim, v.proj_inner_dim
-    text = {
-        "embed": (V, D),
-        "layers": {"ln_w": (L, D), "ln_b": (L, D), "wqkv": (L, D, 3 * D), "bqkv": (L, 3 * D), "wo": (L, D, D),
-                   "bo": (L, D), "fc1": (L, D, F), "b1": (L, F), "fc2": (L, F, D), "b2": (L, D)},
-        "post_ln_w": (D,), "post_ln_b": (D,), "lm_head": (D, V), "lm_head_b": (V,),
-    }
+    attention = {"ln_w": (L, D), "ln_b": (L, D), "wqkv": (L, D, 3 * D), "bqkv": (L, 3 * D), "wo": (L, D, D),
+                 "bo": (L, D)}
+    if t.tau:
+        H = t.n_heads
+        attention.update(tau_wq=(L, 3 * D, H), tau_wv=(L, 3 * D, H), tau_alpha=(L, H))
+    Ld = t.n_dense
+    dense = {"fc1": (Ld, D, F), "b1": (Ld, F), "fc2": (Ld, F, D), "b2": (Ld, D)}
+    text = {"embed": (V, D), "post_ln_w": (D,), "post_ln_b": (D,), "lm_head": (D, V), "lm_head_b": (V,)}
+    if t.n_experts:
+        Lm, X, Fe = L - Ld, t.n_experts, t.expert_dim
+        text.update(layers=attention, dense=dense,
+                    moe={"router": (Lm, D, X), "router_b": (Lm, X), "w_gate": (Lm, X, Fe, D), "w_up": (Lm, X, Fe, D),
+                         "w_down": (Lm, X, D, Fe)})
+    else:
+        text["layers"] = {**attention, **dense}
     vision = {
         "patch_w": (v.patch_dim, E), "patch_b": (E,), "pos": (v.grid ** 2, E),
         "layers": {"ln1_w": (Lv, E), "ln1_b": (Lv, E), "wqkv": (Lv, E, 3 * E), "bqkv": (Lv, 3 * E),
@@ -114,12 +144,16 @@ def param_shapes(cfg: MoondreamConfig) -> Params:
     region = {
         "coord_features": (1, r.coord_feat_dim // 2), "size_features": (2, r.size_feat_dim // 2),
         "coord_enc_w": (r.coord_feat_dim, D), "coord_enc_b": (D,),
-        "coord_dec_fc1": (D, r.inner_dim), "coord_dec_b1": (r.inner_dim,),
-        "coord_dec_fc2": (r.inner_dim, r.coord_out_dim), "coord_dec_b2": (r.coord_out_dim,),
         "size_enc_w": (r.size_feat_dim, D), "size_enc_b": (D,),
-        "size_dec_fc1": (D, r.inner_dim), "size_dec_b1": (r.inner_dim,),
-        "size_dec_fc2": (r.inner_dim, r.size_out_dim), "size_dec_b2": (r.size_out_dim,),
     }
+    if r.linear_decoders:
+        region.update(ln_w=(D,), ln_b=(D,), coord_dec_w=(D, r.coord_out_dim), coord_dec_b=(r.coord_out_dim,),
+                      size_dec_w=(D, r.size_out_dim), size_dec_b=(r.size_out_dim,))
+    else:
+        region.update(coord_dec_fc1=(D, r.inner_dim), coord_dec_b1=(r.inner_dim,),
+                      coord_dec_fc2=(r.inner_dim, r.coord_out_dim), coord_dec_b2=(r.coord_out_dim,),
+                      size_dec_fc1=(D, r.inner_dim), size_dec_b1=(r.inner_dim,),
+                      size_dec_fc2=(r.inner_dim, r.size_out_dim), size_dec_b2=(r.size_out_dim,))
     return {"text": text, "vision": vision, "region": region}
 
 
@@ -160,22 +194,28 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
 
 def serving_layout(params: Params) -> Params:
     """The layout the engine serves on the GPU (models/llama.py `unstack_layers` explains why): the text layers'
-    matrices as a tuple of per-layer dicts, the two products of the block's one LayerNorm output fused into one,
-    `wqkv_fc1` = [wqkv | fc1] (one weight read, one kernel; left apart, XLA merges the two dots by concatenating the
-    weights on every step), their vectors (norms, biases; `bqkv_b1` likewise) kept as [L, X] stacks in
-    `params["text"]["layer_vectors"]` (fewer arguments per step); the vision layers as a tuple of per-layer dicts (a
-    scan over stacked layers copies each layer's weights out of the stack). Already serving params come back
-    unchanged."""
+    matrices as a tuple of per-layer dicts, the two products of the block's one LayerNorm output fused into one
+    (Moondream 2), `wqkv_fc1` = [wqkv | fc1] (one weight read, one kernel; left apart, XLA merges the two dots by
+    concatenating the weights on every step), their vectors (norms, biases; `bqkv_b1` likewise) kept as [L, X] stacks
+    in `params["text"]["layer_vectors"]` (fewer arguments per step; Moondream 3's dense MLPs' in "dense_vectors"), the
+    experts as per-layer dicts; the vision layers as a tuple of per-layer dicts (a scan over stacked layers copies each
+    layer's weights out of the stack). Already serving params come back unchanged."""
     text, vision = params["text"], params["vision"]
     if isinstance(text["layers"], tuple):
         return params
     stacks = dict(text["layers"])
-    stacks["wqkv_fc1"] = _concat_last(stacks.pop("wqkv"), stacks.pop("fc1"))
-    stacks["bqkv_b1"] = _concat_last(stacks.pop("bqkv"), stacks.pop("b1"))
+    if "fc1" in stacks:
+        stacks["wqkv_fc1"] = _concat_last(stacks.pop("wqkv"), stacks.pop("fc1"))
+        stacks["bqkv_b1"] = _concat_last(stacks.pop("bqkv"), stacks.pop("b1"))
     matrices = {k: a for k, a in stacks.items() if a.ndim == 3}
     vectors = {k: a for k, a in stacks.items() if a.ndim == 2}
-    return {**params, "text": {**text, "layers": _per_layer(matrices), "layer_vectors": vectors},
-            "vision": {**vision, "layers": _per_layer(vision["layers"])}}
+    text = {**text, "layers": _per_layer(matrices), "layer_vectors": vectors}
+    if "dense" in text:
+        dense = text["dense"]
+        text["dense"] = _per_layer({k: a for k, a in dense.items() if a.ndim == 3})
+        text["dense_vectors"] = {k: a for k, a in dense.items() if a.ndim == 2}
+        text["moe"] = _per_layer(text["moe"])
+    return {**params, "text": text, "vision": {**vision, "layers": _per_layer(vision["layers"])}}
 
 
 def _per_layer(stacks: dict) -> tuple[dict, ...]:
@@ -199,51 +239,102 @@ def _split_leading(a: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def text_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend,
-                 embeds: jax.Array | None = None, use_embeds: jax.Array | None = None, matmul=None):
+                 embeds: jax.Array | None = None, use_embeds: jax.Array | None = None, matmul=None,
+                 moe_backend: str = "expert_centric"):
     """The decoder over a flat batch of N tokens (the engine's `forward`): returns (hidden [N, D] before the final
     LayerNorm, kv). embeds [N, D] with use_embeds [N] bool: those positions take the given embedding (image features)
     instead of their token's. `attend(q, k, v, kv, layer)` as in models/protocol.py. `matmul`: the weight products'
-    hook (models/matmul.py; None: plain XLA dots). Stacked layers run in a `lax.scan`, per-layer ones
-    (`serving_layout`) unrolled."""
+    hook (models/matmul.py; None: plain XLA dots); moe_backend: how MoE layers run (models/moe.py; the default is
+    plain JAX). Stacked layers run in a `lax.scan` (Moondream 3: one over the dense layers, one over the MoE layers),
+    per-layer ones (`serving_layout`) unrolled."""
     t = cfg.text
-    H, hd = t.n_heads, t.head_dim
+    H, hd, ms = t.n_heads, t.head_dim, t.n_dense
     mm = matmul or PlainMatmul()
     x = embed_tokens(params, tokens)
     if embeds is not None:
         x = jnp.where(use_embeds[:, None], embeds.astype(x.dtype), x)
 
-    def layer(x, kv, lp, vec, stacks, index, i):
-        """lp: the layer's matrices (for XLA dots); stacks[key][index]: the same as a stack + index (for kernels);
-        vec: its vectors; i: its index in the KV cache."""
-        def linear(v, key, bias):
-            return (mm(v, lp[key], stacks[key], index).astype(jnp.float32) + vec[bias].astype(jnp.float32)
-                    ).astype(v.dtype)
+    def linear(v, lp, vec, stacks, index, key, bias):
+        """lp[key]: the matrix (for XLA dots); stacks[key][index]: the same as a stack + index (for kernels)."""
+        return (mm(v, lp[key], stacks[key], index).astype(jnp.float32) + vec[bias].astype(jnp.float32)).astype(v.dtype)
 
+    def dense_mlp(lp, vec, stacks, index):
+        def run(h, f):
+            if f is None:
+                f = linear(h, lp, vec, stacks, index, "fc1", "b1")
+            f = jax.nn.gelu(f.astype(jnp.float32), approximate=True).astype(h.dtype)
+            return linear(f, lp, vec, stacks, index, "fc2", "b2")
+        return run
+
+    def experts(mp, index):
+        return lambda h, f: moe.moe_ffn(h, mp, index, t.experts_per_token, True, moe_backend, "gelu_plus1")
+
+    def layer(x, kv, lp, vec, stacks, index, i, mlp):
+        """One block: lp / vec / stacks / index its attention's weights as `linear` takes them, i its index in the
+        KV cache, mlp(h, f) its MLP (f: fc1's product when it came fused with qkv's)."""
         h = layer_norm(x, vec["ln_w"], vec["ln_b"], t.ln_eps)
-        if "wqkv_fc1" in lp:  # (serving_layout) one product for both branches
-            qkv, f = jnp.split(linear(h, "wqkv_fc1", "bqkv_b1"), [3 * t.dim], axis=-1)
+        f = None
+        if "wqkv_fc1" in lp:  # (serving_layout, Moondream 2) one product for both branches
+            qkv, f = jnp.split(linear(h, lp, vec, stacks, index, "wqkv_fc1", "bqkv_b1"), [3 * t.dim], axis=-1)
         else:
-            qkv, f = linear(h, "wqkv", "bqkv"), linear(h, "fc1", "b1")
+            qkv = linear(h, lp, vec, stacks, index, "wqkv", "bqkv")
         q, k, v = (a.reshape(-1, H, hd) for a in jnp.split(qkv, 3, axis=-1))
+        if t.tau:
+            q, v = tau_scale(qkv, q, v, lp["tau_wq"], lp["tau_wv"], vec["tau_alpha"], positions)
         o, kv = attend(rope(q, positions, t), rope(k, positions, t), v, kv, i)
-        a = linear(o.reshape(-1, t.dim), "wo", "bo")
-        f = jax.nn.gelu(f.astype(jnp.float32), approximate=True).astype(x.dtype)
-        return x + a + linear(f, "fc2", "b2"), kv
+        a = linear(o.reshape(-1, t.dim), lp, vec, stacks, index, "wo", "bo")
+        return x + a + mlp(h, f), kv
 
-    layers = params["text"]["layers"]
+    text = params["text"]
+    layers = text["layers"]
     if isinstance(layers, tuple):  # unrolled: the layer index a Python int (no loop control between layers)
-        vectors = params["text"]["layer_vectors"]
+        vectors = text["layer_vectors"]
         for i, lp in enumerate(layers):
-            x, kv = layer(x, kv, lp, {k: a[i] for k, a in vectors.items()}, {k: a[None] for k, a in lp.items()}, 0, i)
+            vec = {k: a[i] for k, a in vectors.items()}
+            one = {k: a[None] for k, a in lp.items()}
+            if not t.n_experts:
+                mlp = dense_mlp(lp, vec, one, 0)
+            elif i < ms:
+                dl = text["dense"][i]
+                mlp = dense_mlp(dl, {k: a[i] for k, a in text["dense_vectors"].items()}, {k: a[None] for k, a in
+                                                                                          dl.items()}, 0)
+            else:  # the kernels take a stack and an index: this layer's experts as a stack of one
+                mlp = experts(jax.tree_util.tree_map(lambda a: a[None], text["moe"][i - ms]), 0)
+            x, kv = layer(x, kv, lp, vec, one, 0, i, mlp)
         return x, kv
 
-    def scanned(carry, xs):
-        x, kv = carry
-        w, i = xs
-        return layer(x, kv, w, w, layers, i, i), None
+    def scan(x, kv, attn, first, mlp_of):
+        """The layers first, first + 1, ... (as many as attn's stacks hold) in one lax.scan."""
+        n = next(iter(attn.values())).shape[0]
 
-    (x, kv), _ = jax.lax.scan(scanned, (x, kv), (layers, jnp.arange(t.n_layers)))
-    return x, kv
+        def body(carry, xs):
+            x, kv = carry
+            w, j = xs
+            return layer(x, kv, w, w, attn, j, first + j, mlp_of(w, j)), None
+
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (attn, jnp.arange(n)))
+        return x, kv
+
+    if not t.n_experts:
+        return scan(x, kv, layers, 0, lambda w, j: dense_mlp(w, w, layers, j))
+    head = jax.tree_util.tree_map(lambda a: a[:ms], layers)
+    rest = jax.tree_util.tree_map(lambda a: a[ms:], layers)
+    dense = text["dense"]
+    x, kv = scan(x, kv, {**head, **dense}, 0, lambda w, j: dense_mlp(w, w, dense, j))
+    return scan(x, kv, rest, ms, lambda w, j: experts(text["moe"], j))
+
+
+def tau_scale(qkv: jax.Array, q: jax.Array, v: jax.Array, wq: jax.Array, wv: jax.Array, alpha: jax.Array,
+              positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Moondream 3's per-head scaling of q and v (k unscaled), before RoPE: by tanh(GELU(qkv) @ w) (exact GELU over
+    the whole qkv row) plus 1 + sigmoid(alpha * ln(position + 1)) - 1/2. qkv [N, 3D], q / v [N, H, hd]."""
+    feat = jax.nn.gelu(qkv.astype(jnp.float32), approximate=False)
+    tok_q = jnp.tanh(jnp.dot(feat, wq.astype(jnp.float32)))
+    tok_v = jnp.tanh(jnp.dot(feat, wv.astype(jnp.float32)))
+    pos = jnp.log(positions.astype(jnp.float32) + 1.0)[:, None]
+    tau_pos = 0.5 + jax.nn.sigmoid(alpha.astype(jnp.float32)[None, :] * pos)
+    return ((q.astype(jnp.float32) * (tok_q + tau_pos)[..., None]).astype(q.dtype),
+            (v.astype(jnp.float32) * (tok_v + tau_pos)[..., None]).astype(v.dtype))
 
 
 def text_logits(params: Params, cfg: MoondreamConfig, hidden: jax.Array) -> jax.Array:
@@ -336,14 +427,14 @@ def vision_project(params: Params, cfg: MoondreamConfig, features: jax.Array, po
 
 
 def generate_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], image_embeds=None,
-                       max_tokens: int = 32, stop: int | None = None, banned: int | None = None) -> list[int]:
+                       max_tokens: int = 32, stop: int | None = None) -> list[int]:
     """Greedy decoding the plain way (one contiguous cache, no engine): the reference the engine is tested against.
     image_embeds [729, D] or None: the prompt is then BOS + image + `prompt` with the bidirectional prefix; else
-    `prompt` alone, causal. Stops at `stop` (default eos) or max_tokens; `banned` (default answer_id) is masked
-    in every decode step after the first, as the reference does."""
+    `prompt` alone, causal. Stops at `stop` (default eos) or max_tokens; `cfg.decode_banned` are masked in every
+    decode step after the first, as the reference does."""
     t = cfg.text
     stop = cfg.eos_id if stop is None else stop
-    banned = cfg.answer_id if banned is None else banned
+    banned = jnp.asarray(cfg.decode_banned, jnp.int32)
     S = t.max_context
     dtype = params["text"]["embed"].dtype
     kc = jnp.zeros((t.n_layers, S, t.n_heads, t.head_dim), dtype)
@@ -406,17 +497,21 @@ def encode_size(params: Params, size: jax.Array) -> jax.Array:
                    r["size_enc_b"])
 
 
+def _decode(r: Params, hidden: jax.Array, name: str) -> jax.Array:
+    """A region decoder: an MLP (Moondream 2) or, where the params have `ln_w`, a LayerNorm then one linear layer."""
+    if "ln_w" in r:
+        return _linear(layer_norm(hidden, r["ln_w"], r["ln_b"], 1e-5), r[f"{name}_dec_w"], r[f"{name}_dec_b"])
+    return mlp(hidden, r[f"{name}_dec_fc1"], r[f"{name}_dec_b1"], r[f"{name}_dec_fc2"], r[f"{name}_dec_b2"])
+
+
 def coordinate_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [N, D] -> logits [N, coord_out_dim] float32."""
-    r = params["region"]
-    return mlp(hidden, r["coord_dec_fc1"], r["coord_dec_b1"], r["coord_dec_fc2"], r["coord_dec_b2"]).astype(jnp.float32)
+    return _decode(params["region"], hidden, "coord").astype(jnp.float32)
 
 
 def size_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [N, D] -> logits [N, 2, size_out_dim // 2] float32 (width's bins, then height's)."""
-    r = params["region"]
-    out = mlp(hidden, r["size_dec_fc1"], r["size_dec_b1"], r["size_dec_fc2"], r["size_dec_b2"])
-    return out.astype(jnp.float32).reshape(hidden.shape[0], 2, -1)
+    return _decode(params["region"], hidden, "size").astype(jnp.float32).reshape(hidden.shape[0], 2, -1)
 
 
 def coordinate_of(bins: jax.Array, n_bins: int) -> jax.Array:
@@ -489,7 +584,7 @@ def generate_spatial_reference(params: Params, cfg: MoondreamConfig, prompt: lis
 
 
 def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, positions: jax.Array, kv: Any, attend,
-                   matmul=None):
+                   matmul=None, moe_backend: str = "auto"):
     """`text_forward` as the engine runs it (models/protocol.py): a negative token -(1 + i) is row i of the image
     cache `params["image_cache"]` ([slots, 729, D] flattened; written by `encode_into_cache`), so an image prefix
     rides in an ordinary prefill chunk; a spatial id (image/spatial.py: a point / detect row's decoded coordinate or
@@ -501,7 +596,8 @@ def engine_forward(params: Params, cfg: MoondreamConfig, tokens: jax.Array, posi
     if "region" in params:  # (the text steps get the region heads too; the encoders' products cost ~nothing: no cond)
         embeds = _spatial_embeds(params, cfg, tokens, embeds)
         use = img | (tokens <= -spatial.SPATIAL_BASE)
-    return text_forward(params, cfg, jnp.where(use, 0, tokens), positions, kv, attend, embeds, use, matmul)
+    return text_forward(params, cfg, jnp.where(use, 0, tokens), positions, kv, attend, embeds, use, matmul,
+                        moe_backend)
 
 
 def _spatial_embeds(params: Params, cfg: MoondreamConfig, tokens: jax.Array, embeds: jax.Array) -> jax.Array:

@@ -76,6 +76,7 @@ class Vision:
     # dispatch time, and the encoder's layers are hundreds of leaves); () = all
     text_keys: tuple[str, ...] = ()
     region_bins: tuple[int, int] = (0, 0)  # the spatial heads' (coordinate bins, size bins per dimension)
+    answer_suffixes: int = 2  # how often a query's template ends with its suffix (image/skills.py)
 
 
 def llama_family(config: ModelConfig, params, tokenizer=None, name: str = "", unroll_layers: bool = False,
@@ -132,13 +133,15 @@ def rebuild(config: ModelConfig, params, recipe: dict, tp=None, forward_cfg: Mod
 
 def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, name: str = "",
                      image_slots: int = 32, matmul: str = "auto", unroll_layers: bool = False,
-                     vision_attention: str = "auto") -> JaxModel:
-    """Moondream 2 (models/moondream.py) for the engine: its text decoder as forward / logits, its vision encoder as
+                     vision_attention: str = "auto", moe_backend: str = "auto") -> JaxModel:
+    """Moondream 2 or 3 (models/moondream.py) for the engine: its text decoder as forward / logits, its vision encoder as
     `Vision`; `image_slots` images' embeddings stay on the device (the image cache: a repeated image skips the
     encoder). matmul: the text layers' weight products (models/matmul.py; its kind or a hook); unroll_layers: the
     text layers unrolled over per-layer params (`moondream.serving_layout`); vision_attention: "xla", "cudnn" or
-    "auto" (cuDNN's flash attention on a GPU with 16-bit weights, else the plain einsums)."""
+    "auto" (cuDNN's flash attention on a GPU with 16-bit weights, else the plain einsums); moe_backend: how Moondream
+    3's MoE layers run (models/moe.py)."""
     t, v = config.text, config.vision
+    moe.check_backend(moe_backend)
     dtype = params["text"]["embed"].dtype
     if vision_attention == "auto":
         on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
@@ -157,7 +160,7 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
     buckets = tuple(sorted({b for b in (2, 5, 9, v.max_crops + 1) if b <= v.max_crops + 1}))
 
     def forward(params, tokens, positions, kv, attend):
-        return moondream.engine_forward(params, config, tokens, positions, kv, attend, mm)
+        return moondream.engine_forward(params, config, tokens, positions, kv, attend, mm, moe_backend)
 
     def logits(params, hidden):
         return moondream.text_logits(params, config, hidden)
@@ -171,6 +174,9 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
     vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
                     max_crops=v.max_crops, encode=encode, text_keys=("text", "image_cache", "region"),
-                    region_bins=(config.region.coord_out_dim, config.region.size_out_dim // 2))
+                    region_bins=(config.region.coord_out_dim, config.region.size_out_dim // 2),
+                    answer_suffixes=config.answer_suffixes)
+    # (a padding row would make a MoE decode step read its top-k experts too)
     return JaxModel(mc, params, forward, logits, tokenizer=tokenizer, name=name or config.name, vision=vision,
-                    decode_banned_tokens=(config.answer_id,), min_decode_rows=mm.min_rows, spatial=spatial)
+                    decode_banned_tokens=config.decode_banned, min_decode_rows=1 if t.n_experts else mm.min_rows,
+                    spatial=spatial)
