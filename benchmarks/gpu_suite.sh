@@ -7,7 +7,7 @@
 # finishes; all of them in one device call). One-off probes and tuning sweeps live in lab/ (lab/lab_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECTIONS="moondream moondream-prepare moondream-vs-kestrel startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
+SECTIONS="moondream moondream3 moondream-prepare moondream-vs-kestrel startup startup-ready-1b throughput sampling prefix-cache lora pipeline-llama1b pipeline-smollm2 serving serving-smollm2 constrained vs-pytorch-1b-b1-b32 vs-pytorch-1b-b8-b128
   vs-pytorch-8b-b8 vs-pytorch-8b-b32-b128 vs-pytorch-report moe-layer moe-e2e-warp moe-e2e-ec attention kernel-profile
   host-overhead tp-check tp-steps tp-big"
 if [ "${1:-}" = list ]; then echo $SECTIONS | tr ' ' '\n'; exit 0; fi
@@ -38,6 +38,10 @@ for section in "$@"; do
       # at batch 1 with the text layers' products as XLA dots (default: the Pallas GEMV up to 32 tokens a step)
       run moondream python3 benchmarks/moondream.py --model random:moondream2 --out "$OUT/moondream.jsonl" \
         --variants '{"matmul": "xla"}' ;;
+    moondream3)  # Moondream 3 (random bf16 weights, MoE from layer 4): decode at batch 1 and the device step at 1 and 32
+      # rows (only the shapes it runs compiled); the --report table puts them beside kestrel's column
+      run "$section" python3 benchmarks/moondream.py --model random:moondream3 --only decode --step-rows 1 32 \
+        --options '{"warmup": "off"}' --out "$OUT/moondream3_jphoton.jsonl" ;;
     moondream-prepare)  # the random checkpoint, and jphoton's programs compiled into JPHOTON_CACHE_DIR (a cold start:
       # ~5 min on an H100) with its start-up row; then moondream-vs-kestrel fits one call on the same held machine
       [ -f /tmp/kck/model.safetensors ] || python3 .kestrel/make_random_checkpoint.py /tmp/kck | tee "$OUT/checkpoint.log"

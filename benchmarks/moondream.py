@@ -239,6 +239,15 @@ def report(folder: str) -> str:
                          f"{get(j, skill, label, 'objects')} | {jj if jj is not None else '-'} | "
                          f"{kk if kk is not None else '-'} | {f'{ratio:.3f}' if ratio is not None else '-'} | "
                          f"<= 0.8x | {met} |")
+    m3 = rows("moondream3_jphoton.jsonl")  # (gpu_suite.sh moondream3: random weights, decode rows only)
+    for b in (1, 32):
+        step = next((r["device_step_ms"].get(str(b), r["device_step_ms"].get(b)) for r in m3.get("decode_b1", [])),
+                    None)
+        per_tok = get(m3, "decode_b1", "ms_per_token_p50", pick=min) if b == 1 else None
+        lines.append(f"| Moondream 3 (random bf16), decode at batch {b}: "
+                     f"{'ms/token (p50); ' if b == 1 else ''}device step, ms | "
+                     f"{'-' if per_tok is None else per_tok}; step {step if step else '-'} | "
+                     f"not run: kestrel serves Moondream 3 only with FP8 experts | - | | |")
     cap_j, cap_k = get(j, "caption", "wall_ms"), get(k, "image_skills", "caption", "wall_ms")
     lines.append(f"\njphoton's start with a {cache} compile cache; every step shape compiled: {ready} s after start; "
                  f"caption (short, 32 tokens, cached image): "

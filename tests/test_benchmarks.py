@@ -264,10 +264,13 @@ def test_moondream_rows_variant_and_report(tmp_path):
     kestrel = [{**r, "engine": "kestrel"} for r in rows if r["m"] in ("decode_b1", "image_query")][:2]
     kestrel.append({"m": "image_skills", "engine": "kestrel", "point": {"wall_ms": 98.4}, "detect": {"wall_ms": 14.1}})
     (tmp_path / "moondream_kestrel.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kestrel))
+    m3 = {"m": "decode_b1", "engine": "jphoton", "ms_per_token_p50": 2.5, "device_step_ms": {"1": 2.1, "32": 3.4}}
+    (tmp_path / "moondream3_jphoton.jsonl").write_text(json.dumps(m3) + "\n")
     table = subprocess.run(["python3", str(ROOT / "benchmarks" / "moondream.py"), "--report", str(tmp_path)],
                            capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert "| decode at batch 1, ms/token (p50) |" in table and "<= 0.8x" in table, table
     assert "| point 378x378 (cached;" in table and "| detect 378x378 (cold;" in table and "| 98.4 |" in table, table
+    assert "| Moondream 3 (random bf16), decode at batch 32: device step, ms | -; step 3.4 | not run" in table, table
 
 
 def test_startup(tmp_path):
