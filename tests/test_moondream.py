@@ -170,6 +170,40 @@ def test_moondream3_generation_matches_reference(tmp_path, config):
         assert ids == gen["ids"], f"min top-2 margin in the reference {gen['min_margin']:.3g}"
 
 
+def test_moondream3_shards_read_as_one_file_and_bad_ones_are_refused(tmp_path):
+    """The same Moondream 3 checkpoint as one file and as two shards under model.safetensors.index.json: the same
+    config and params; an index naming a missing tensor or a shard outside its folder is a ValueError."""
+    from safetensors.numpy import load_file, save_file
+
+    from jphoton.weights.moondream import INDEX, checkpoint_file
+
+    one = mf.write_checkpoint(tmp_path / "one", "m3")
+    tensors = load_file(str(one))
+    keys = sorted(tensors)
+    d = tmp_path / "sharded"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((tmp_path / "one" / "tokenizer.json").read_bytes())
+    (d / "config.json").write_bytes((tmp_path / "one" / "config.json").read_bytes())
+    weight_map = {}
+    for i, part in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(d / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (d / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert checkpoint_file(d) == d / INDEX
+    (cfg_a, host_a), (cfg_b, host_b) = read_checkpoint(one), read_checkpoint(checkpoint_file(d))
+    assert cfg_a == cfg_b and cfg_a.text.n_experts == 8 and cfg_a.text.experts_per_token == 2
+    flat_a, flat_b = jax.tree.leaves(host_a), jax.tree.leaves(host_b)
+    assert len(flat_a) == len(flat_b) and all(np.array_equal(np.asarray(a), np.asarray(b))
+                                              for a, b in zip(flat_a, flat_b, strict=True))
+    (d / INDEX).write_text(json.dumps({"weight_map": {**weight_map, "model.text.extra": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="not in their shards"):
+        read_checkpoint(d / INDEX)
+    (d / INDEX).write_text(json.dumps({"weight_map": {k: "../one/model.safetensors" for k in weight_map}}))
+    with pytest.raises(ValueError, match="beside the index"):
+        read_checkpoint(d / INDEX)
+
+
 @pytest.mark.parametrize(("case", "image"), [(c, i) for c, e in SPATIAL["cases"].items() for i in e["images"]])
 def test_point_and_detect_match_reference(models, embeds, case, image):
     """The reference's point / detect: its prompt ids, its region heads' bins object by object (to the bin), the
