@@ -147,9 +147,11 @@ def timed_run(llm, prompts: list, params, guard: bool = True, ttft: dict | None 
     wall = time.perf_counter() - t_start
     if ttft is not None:
         ttft.update(first_token)
-    kinds = tick_kinds(ticks, llm.telemetry.records)
+    recs = tick_records(ticks, llm.telemetry.records)
+    kinds = [r.kind if r is not None else None for r in recs]
     dur = [t1 - t0 for t0, t1 in ticks]
-    decode = [t for t, k in zip(dur, kinds, strict=True) if k == "decode"]
+    # (a tick that launched K decode steps at once counts as K steps of 1/K its time: ms per decode step)
+    decode = [t / r.steps for t, r in zip(dur, recs, strict=True) if r is not None and r.kind == "decode"]
     decode = decode[2:] or decode or [float("nan")]  # the first ticks after the last prefill still carry its commit
     return RunStats(batch=len(prompts), wall_s=wall, new_tokens=sum(map(len, tokens.values())),
                     decode_steps=len(decode), decode_ms_median=1e3 * statistics.median(decode),
@@ -163,15 +165,21 @@ def timed_run(llm, prompts: list, params, guard: bool = True, ttft: dict | None 
                     token_ids=tokens)
 
 
-def tick_kinds(ticks: list[tuple[float, float]], records) -> list[str | None]:
-    """The kind of the engine step each step() call launched (the record whose t_launch falls inside the call)."""
+def tick_records(ticks: list[tuple[float, float]], records) -> list:
+    """The record of the engine step each step() call launched (the one whose t_launch falls inside the call), or
+    None."""
     recs = sorted(records, key=lambda r: r.t_launch)
     starts = [r.t_launch for r in recs]
     out = []
     for t0, t1 in ticks:
         i = bisect.bisect_left(starts, t0)
-        out.append(recs[i].kind if i < len(recs) and starts[i] <= t1 else None)
+        out.append(recs[i] if i < len(recs) and starts[i] <= t1 else None)
     return out
+
+
+def tick_kinds(ticks: list[tuple[float, float]], records) -> list[str | None]:
+    """The kind of the engine step each step() call launched."""
+    return [r.kind if r is not None else None for r in tick_records(ticks, records)]
 
 
 def closed_loop(llm, streams: int, requests_per_stream: int, seed: int, prompt_len: int = 64, make_params=None,

@@ -69,15 +69,21 @@ def main(argv=None):
             timed_run(llm, prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm caches
             r = timed_run(llm, prompts, params)
             floor_s = (wbytes + kv_bytes_read(llm.config, b, args.prompt_len + args.new_tokens / 2, itemsize)) / bw
+            # the device's own time per decode step (launches back to back, no host work), in the engine's K-step
+            # launches when it runs them (`decode_steps`): what the tick should match
+            k = llm.engine_config.decode_steps
+            device_ms = llm.device_step_ms(b, context=args.prompt_len + args.new_tokens // 2, decode_steps=k)
             row = dict(batch=b, depth=depth, decode_ms=r.decode_ms_median, decode_ms_mean=r.decode_ms_mean,
                        decode_tok_s=b / (r.decode_ms_median / 1e3), e2e_tok_s=r.tok_s, wall_s=r.wall_s,
                        ttft_ms=r.ttft_ms_median, floor_ms=floor_s * 1e3,
                        floor_fraction=floor_s * 1e3 / r.decode_ms_median, compiles_during_run=r.compiles_during_run,
+                       decode_steps=k, device_step_ms=device_ms, tick_over_device=r.decode_ms_median / device_ms,
                        stats=llm.stats())
             rows.append(row)
             print(f"B={b:4d} depth={depth}: decode {r.decode_ms_median:7.3f} ms/step (mean {r.decode_ms_mean:.3f}), "
                   f"{row['decode_tok_s']:9.0f} tok/s decode, {r.tok_s:9.0f} tok/s end to end, TTFT {r.ttft_ms_median:.1f} ms, "
-                  f"floor {row['floor_ms']:.3f} ms ({row['floor_fraction']:.0%} of floor speed), "
+                  f"floor {row['floor_ms']:.3f} ms ({row['floor_fraction']:.0%} of floor speed), device step "
+                  f"{device_ms:.3f} ms (K={k}: tick / device {row['tick_over_device']:.3f}), "
                   f"compiles during run {r.compiles_during_run}", flush=True)
         del llm
     write_json(args.out, {"info": info, "read_bandwidth_Bps": bw, "args": vars(args), "rows": rows,

@@ -501,12 +501,13 @@ class LLM:
             return len(todo)
 
     def device_step_ms(self, rows: int, *, context: int = 0, steps: int = 30, sampler: str | None = None,
-                       lora_rows: int = 0) -> float:
+                       lora_rows: int = 0, decode_steps: int = 1) -> float:
         """Milliseconds per decode-only step of `rows` rows dispatched back to back with no host work between: the
         device's own step time, which the pipelined loop should match. Each row attends over `context` tokens (0:
         padding rows); sampler="masked" adds the grammar sampler after each step, "filtered" runs the step's filtered
         variant (top-k / top-p and device automata sample in it); lora_rows: that many rows use LoRA slots 0, 1, ... in
-        turn (the step's LoRA variant; needs max_loras). Needs an idle engine (it overwrites KV pages, so the prefix
+        turn (the step's LoRA variant; needs max_loras); decode_steps: K-step launches (the engine's `decode_steps`),
+        per decode step. Needs an idle engine (it overwrites KV pages, so the prefix
         cache is emptied first); compiles the shape if warm-up did not."""
         if sampler not in (None, "masked", "filtered"):
             raise ValueError(f"sampler must be None, 'masked' or 'filtered', got {sampler!r}")
@@ -514,7 +515,8 @@ class LLM:
             raise RuntimeError("device_step_ms needs an idle engine: requests are still live")
         self.reset_prefix_cache()  # the timed steps write over pages, cached prefixes' included
         return 1e3 * self.engine.runner.time_decode_steps(rows, context, steps, masked_sampler=sampler == "masked",
-                                                          lora_rows=lora_rows, filtered=sampler == "filtered")
+                                                          lora_rows=lora_rows, filtered=sampler == "filtered",
+                                                          decode_steps=decode_steps)
 
     # ---- the engine loop for generate/stream (synchronous: runs in the caller's thread) ------------------------------
     def _stream(self, seq: Sequence) -> Iterator[Delta]:

@@ -101,6 +101,9 @@ class EngineConfig:
     dtype: Any = None  # "float32" | "bfloat16" | "float16" (or a jnp dtype); None: float32 on CPU, bfloat16 on GPU
     # the loop
     pipeline_depth: int = 2  # 2: step t+1 is dispatched before t's tokens reach the host; 3: t+2 too; 1: blocking loop
+    # K > 1: a decode-only step with no host decision due (nothing waiting, no grammar / logprobs / filters / spatial
+    # rows, every row K tokens from its end) runs K decode steps in one launch, tokens fed back on the device
+    decode_steps: int = 1
     seed: int = 0  # seeds of requests that give none
     # "background": the first request's shapes before LLM() returns, the rest on a background thread (served as they
     # become ready); "full": every shape before LLM() returns; "off": on first use (engine/warmup.py). True = "full".
@@ -140,6 +143,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
+        if not isinstance(self.decode_steps, int) or isinstance(self.decode_steps, bool) or not (
+                1 <= self.decode_steps <= 64):
+            raise ValueError(f"decode_steps must be an integer in [1, 64], got {self.decode_steps!r}")
         if self.pipeline_depth not in (1, 2, 3):
             raise ValueError(f"pipeline_depth must be 1 (blocking), 2 or 3 (pipelined), got {self.pipeline_depth!r}")
         if not 0 < self.kv_memory_fraction <= 1:
@@ -222,7 +228,8 @@ class EngineConfig:
         b = self.buckets
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                decode_buckets=b.decode, prefill_buckets=b.prefill, context_buckets=b.context,
-                               page_size=self.page_size, max_choice_rows=self.max_choice_rows)
+                               page_size=self.page_size, max_choice_rows=self.max_choice_rows,
+                               decode_steps=self.decode_steps)
 
 
 def _geometric(start: int, factor: int, last: int) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ from jphoton.engine.images import ImageSlots, placeholder_tokens
 from jphoton.engine.lifecycle import Lifecycle
 from jphoton.engine.loras import LoraSlots
 from jphoton.engine.pages import PagePool
-from jphoton.engine.plan import CONSTRAINED, LOGPROBS, StepPlan
+from jphoton.engine.plan import CONSTRAINED, LOGPROBS, StepPlan, step_tokens
 from jphoton.engine.runner import Runner
 from jphoton.engine.scheduler import Scheduler
 from jphoton.engine.slots import NONFINITE, NONFINITE_ERROR, DecodeSlot, PlannedStep, StepResult
@@ -144,7 +144,7 @@ class Engine(Lifecycle):
             return None
         pinned = self._prepare_images(plan) if self.images is not None else ()
         kind = "mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill"
-        rec = StepRecord(plan.step_id, kind, plan.num_rows, plan.num_tokens, t_plan=t_plan)
+        rec = StepRecord(plan.step_id, kind, plan.num_rows, plan.num_tokens, plan.shape.steps, t_plan=t_plan)
         grammar_rows = automaton_rows = 0
         if plan.flags & CONSTRAINED:
             for r in plan.rows:
@@ -233,6 +233,11 @@ class Engine(Lifecycle):
         outputs: list[RequestOutput] = []
         tokens = result.tokens
         n_decode = len(plan.decode.seqs)
+        if plan.shape.steps > 1:  # K tokens a row (plain rows only: scheduler.py `_decode_steps`)
+            self._commit_steps(plan, tokens, outputs)
+            rec.t_committed = now()
+            self.telemetry.add(rec)
+            return outputs
         plain = not verdicts and result.logprobs is None and (not n_decode or min(tokens[:n_decode]) >= 0)
         for out_row, seq in enumerate(plan.decode.seqs):  # decode rows: one sample each, at their own output row
             seq.inflight_refs -= 1
@@ -258,6 +263,23 @@ class Engine(Lifecycle):
         rec.t_committed = now()
         self.telemetry.add(rec)
         return outputs
+
+    def _commit_steps(self, plan: StepPlan, tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """A K-step launch's decode rows: each row's K tokens in order, until it finishes (the rest are dropped: the
+        row ran on past its end on the device, into pages of its own)."""
+        K, M = plan.shape.steps, self.runner.static.max_rows
+        for out_row, seq in enumerate(plan.decode.seqs):
+            seq.inflight_refs -= 1
+            seq.pending_samples -= K
+            for token in step_tokens(tokens, out_row, K, M):
+                if seq.finish_reason is not None:
+                    break
+                if token < 0:  # NONFINITE
+                    self._fail(seq, NONFINITE_ERROR, outputs, poisoned=True)
+                    break
+                outputs.append(seq.output(seq.append(token)))
+            if seq.finish_reason is not None and not seq.inflight_refs:
+                self._maybe_release(seq)
 
     def _commit_sample(self, seq: Sequence, out_row: int, token: int, result: StepResult,
                        verdicts: dict[int, GrammarVerdict], outputs: list[RequestOutput]) -> None:

@@ -18,6 +18,7 @@ class StepShape:
     prefill_rows: int  # Bp (0 = no prefill part)
     prefill_tokens: int  # Tp, tokens per prefill row
     ctx_pages: int = 0  # pages every row attends over (the context bucket); 0 = no bucket (Pallas / dynamic loop)
+    steps: int = 1  # decode steps one launch runs (decode-only shapes; each step's tokens feed the next on the device)
 
     @property
     def rows(self) -> int:
@@ -39,6 +40,9 @@ class SchedulerConfig:
     context_buckets: tuple[int, ...] = ()
     page_size: int = 16  # tokens per KV page (context buckets count pages)
     max_choice_rows: int = 7  # a `choice` request's branches decoding at once (`_admit_branches`)
+    # decode steps a launch may run when no host decision is due (no request waiting, plain rows, room for every
+    # row): 1 = one per launch; K > 1 adds a K-step variant of each decode-only shape
+    decode_steps: int = 1
 
     def __post_init__(self):
         if not self.decode_buckets or sorted(self.decode_buckets) != list(self.decode_buckets):
@@ -49,6 +53,8 @@ class SchedulerConfig:
             raise ValueError("context_buckets must be ascending positive page counts")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"decode_steps must be in [1, 64], got {self.decode_steps}")
 
     @property
     def max_prefill_chunk(self) -> int:
@@ -65,7 +71,9 @@ class SchedulerConfig:
         """Every step shape the scheduler can plan: decode-only steps (one per decode bucket; with static attention
         one per context bucket too) and prefill steps with no decode part or the full one (`mixed_decode_rows`)."""
         contexts = self.context_buckets or (0,)
-        return ([StepShape(d, 0, 0, c) for c in contexts for d in self.decode_buckets]
+        multi = [StepShape(d, 0, 0, c, self.decode_steps) for c in contexts for d in self.decode_buckets
+                 ] if self.decode_steps > 1 else []
+        return ([StepShape(d, 0, 0, c) for c in contexts for d in self.decode_buckets] + multi
                 + [StepShape(d, r, t, c) for c in contexts for d in (0, self.mixed_decode_rows)
                    for r, t in self.prefill_buckets])
 
@@ -150,4 +158,10 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(r.num_tokens for r in self.prefill)
+        return len(self.decode) * self.shape.steps + sum(r.num_tokens for r in self.prefill)
+
+
+def step_tokens(tokens: list[int], row: int, steps: int, max_rows: int) -> list[int]:
+    """A decode row's tokens, in order, from the host copy of a step's token buffer: a K-step launch keeps step j's
+    (j < K - 1) in rows (j + 1) * max_rows.. and the last step's in rows 0.. (step.py `engine_step`)."""
+    return [tokens[(j + 1) * max_rows + row] for j in range(steps - 1)] + [tokens[row]]

@@ -140,7 +140,8 @@ class Runner:
                 self.automaton = (self._zeros((S, cfg.vocab_size), jnp.int16),
                                   jax.jit(lambda: jnp.zeros((S, W), jnp.int32).at[0].set(-1),
                                           out_shardings=on_device)())
-        self.slots = [DecodeSlot(self._zeros((max_rows,), jnp.int32),
+        # tokens: max_rows a decode step, for the most steps a launch runs (step.py `engine_step`, plan.py `step_tokens`)
+        self.slots = [DecodeSlot(self._zeros((max_rows * self.sched.decode_steps,), jnp.int32),
                                  self._zeros((max_rows, cfg.vocab_size), jnp.float32, logits_sharding),
                                  self._zeros((max_rows, K + 1), jnp.float32),
                                  self._zeros((max_rows, max(K, 1)), jnp.int32),
@@ -598,7 +599,7 @@ class Runner:
 
     # ---- measurement -----------------------------------------------------------------------------------------------
     def time_decode_steps(self, rows: int, context: int = 0, steps: int = 30, masked_sampler: bool = False,
-                          lora_rows: int = 0, filtered: bool = False) -> float:
+                          lora_rows: int = 0, filtered: bool = False, decode_steps: int = 1) -> float:
         """Seconds per decode-only step of `rows` rows dispatched back to back, with no host work between (what the
         pipelined loop would reach if the host were free). Each row attends over `context` tokens on pages of its own,
         as in serving (0: padding rows on the trash page, attention nearly free); masked_sampler: the grammar sampler
@@ -614,7 +615,11 @@ class Runner:
         ctx = 0
         if self.sched.context_buckets:  # static attention: a context bucket
             ctx = next(c for c in self.sched.context_buckets if c >= max(pages, 1))
-        shape = StepShape(bucket, 0, 0, ctx)
+        if decode_steps not in (1, self.sched.decode_steps):
+            raise ValueError(f"decode_steps must be 1 or the engine's decode_steps ({self.sched.decode_steps})")
+        if context and context + decode_steps > self.static.pages_per_seq * ps:
+            raise ValueError(f"context {context} + {decode_steps} steps exceed max_model_len")
+        shape = StepShape(bucket, 0, 0, ctx, decode_steps)
         views = self.layout(shape).empty(self.static.trash_page)
         if context:
             real = self.static.trash_page  # pages 0 .. trash_page - 1 are the pool's own; tables cycle through them
@@ -639,7 +644,7 @@ class Runner:
         run(3)  # compile (if needed) and warm
         t0 = time.perf_counter()
         run(steps)
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps / decode_steps
 
 
 AUTOMATON_CHUNK = 32  # automaton rows a table write carries (one compiled shape)

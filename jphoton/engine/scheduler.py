@@ -8,9 +8,21 @@ previous step's output that holds it (`carry_from`), and the runner resolves it 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from jphoton.engine.pages import PagePool, page_keys
-from jphoton.engine.plan import LORA, DecodeRows, Row, SchedulerConfig, StepPlan, StepShape, row_flags
+from jphoton.engine.plan import (
+    CONSTRAINED,
+    FILTERS,
+    LOGPROBS,
+    LORA,
+    DecodeRows,
+    Row,
+    SchedulerConfig,
+    StepPlan,
+    StepShape,
+    row_flags,
+)
 from jphoton.sequence import Sequence
 
 
@@ -89,6 +101,9 @@ class Scheduler:
             return None
         if shape is None:  # decode only
             shape = self._decode_shape(decode)
+            steps = self._decode_steps(decode, shape, flags)
+            if steps > 1:
+                shape = dataclasses.replace(shape, steps=steps)
         for j, row in enumerate(prefill):
             row.out_row = shape.decode_rows + j
             s = row.seq
@@ -102,6 +117,27 @@ class Scheduler:
                 flags |= s.sample_flags & LORA
         self._next_step += 1
         return StepPlan(step_id, decode, prefill, shape, flags, copies)
+
+    def _decode_steps(self, decode: DecodeRows, shape: StepShape, flags: int) -> int:
+        """How many decode steps a decode-only step runs: config.decode_steps when no host decision is due within them
+        (no request waiting or prefilling, every running row in the step, plain rows: no grammar, logprobs, filters,
+        choice branch or spatial skill, each with K tokens to go and pages for them), else 1. The K-step booking (K
+        positions, K pending samples a row) is done here."""
+        K = self.config.decode_steps
+        if (K == 1 or flags & (FILTERS | LOGPROBS | CONSTRAINED) or self.waiting or self._branches_waiting
+                or len(decode) < self._decodable() or not self._is_ready(dataclasses.replace(shape, steps=K))):
+            return 1
+        for s in decode.seqs:
+            if (s.choice_group is not None or s.spatial_mode or s.finish_reason is not None
+                    or s.max_new_tokens - len(s.output_ids) - s.pending_samples < K - 1):
+                return 1
+        for s, pos in zip(decode.seqs, decode.start, strict=True):
+            if not self._reserve(s, pos + K, set(), may_preempt=False):
+                return 1  # (the pages taken stay with their rows: the next steps use them)
+        for s in decode.seqs:
+            s.num_computed += K - 1
+            s.pending_samples += K - 1
+        return K
 
     def _is_ready(self, shape: StepShape) -> bool:
         return self.ready is None or shape in self.ready

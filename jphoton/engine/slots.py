@@ -51,7 +51,7 @@ class PlannedStep:
 class DecodeSlot:
     """One step's device outputs (donated at each use, so no per-step allocation) while the step is in flight."""
 
-    tokens: jax.Array  # [max_rows] int32
+    tokens: jax.Array  # [max_rows * decode_steps] int32 (plan.py `step_tokens`)
     logits: jax.Array  # [max_rows, V] float32: every row's logits, for the second sampler
     logprobs: jax.Array  # [max_rows, K + 1] float32: sampled token's logprob, then the top K
     top_ids: jax.Array  # [max_rows, max(K, 1)] int32

@@ -107,7 +107,7 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden [R, D]) -> f
 
 def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, shape: StepShape, params, kv,
                 prev_tokens, out_tokens, out_logits, packed, lora_weights=None, automaton=None, out_states=None, *,
-                filtered: bool = False, lora: bool = False, tp=None, spatial_fn=None):
+                filtered: bool = False, lora: bool = False, tp=None, spatial_fn=None, fields=None):
     """Returns (out_tokens, out_logits, kv), and out_states when `automaton` is given. prev_tokens is the previous
     step's token output (read for carry-over, never donated); the output buffers and kv are donated and come back
     updated in place. The logits of every row stay on the device for a later sampler (logprobs, grammar masks, filters
@@ -123,8 +123,16 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     forward and logits are the shard's, kv and out_logits its slices (KV heads, vocabulary); the sampler reduces across
     shards and every shard writes the same tokens.
     spatial_fn: the model's spatial skills (models/protocol.py JaxModel.spatial): in a step with a point / detect row,
-    those rows emit its values (image/spatial.py ids) instead of sampled tokens."""
-    f = StepLayout(shape, static).unpack(packed)
+    those rows emit its values (image/spatial.py ids) instead of sampled tokens.
+    shape.steps = K > 1 (a decode-only shape): K decode steps in one program (`_decode_steps`); out_tokens then holds
+    the last step's tokens in rows 0.. and step j's (j < K - 1) in rows (j + 1) * max_rows.. (plan.py `step_tokens`).
+    fields: the unpacked input (`_decode_steps` passes each step's own)."""
+    if shape.steps > 1:
+        assert not shape.prefill_rows and automaton is None, "multi-step shapes are decode-only, without automata"
+        return _decode_steps(forward, logits_fn, static, shape, params, kv, prev_tokens, out_tokens, out_logits,
+                             StepLayout(shape, static).unpack(packed), lora_weights, filtered=filtered, lora=lora,
+                             tp=tp, spatial_fn=spatial_fn)
+    f = fields if fields is not None else StepLayout(shape, static).unpack(packed)
     Bd, Bp, Tp = shape.decode_rows, shape.prefill_rows, shape.prefill_tokens
     ps, trash = static.page_size, static.trash_page
 
@@ -229,6 +237,30 @@ def engine_step(forward: ForwardFn, logits_fn: LogitsFn, static: StepStatic, sha
     return out_tokens, out_logits, kv
 
 
+def _decode_steps(forward, logits_fn, static: StepStatic, shape: StepShape, params, kv, prev_tokens, out_tokens,
+                  out_logits, f, lora_weights, **variant):
+    """K = shape.steps decode steps in a `lax.fori_loop`: step j runs the one-step program's body at positions
+    d_pos + j with sample index + j, its input the row's token from step j - 1 (step 0: the packed input, carried as
+    usual); its tokens are kept at rows (j + 1) * max_rows.. of out_tokens, the last step's at rows 0.. (the next
+    launch's carry-over). A row that ends inside the K steps runs on to the end; the commit drops what follows."""
+    one = dataclasses.replace(shape, steps=1)
+    K, R, M = shape.steps, shape.decode_rows, static.max_rows
+    rows = jnp.arange(R, dtype=jnp.int32)
+
+    def body(j, carry):
+        kv, tokens, logits = carry
+        g = {**f, "d_pos": f["d_pos"] + j, "sample_index": f["sample_index"] + j,
+             "d_carry": jnp.where(j == 0, f["d_carry"], rows)}
+        prev = jnp.where(j == 0, prev_tokens, tokens)
+        tokens, logits, kv = engine_step(forward, logits_fn, static, one, params, kv, prev, tokens, logits, None,
+                                         lora_weights, fields=g, **variant)
+        keep = jax.lax.dynamic_update_slice(tokens, tokens[:R], ((j + 1) * M,))
+        return kv, jnp.where(j < K - 1, keep, tokens), logits
+
+    kv, out_tokens, out_logits = jax.lax.fori_loop(0, K, body, (kv, out_tokens, out_logits))
+    return out_tokens, out_logits, kv
+
+
 def _spatial_rows(spatial_fn, params, hidden, logits, f, d_tokens, tokens_out, Bp: int) -> jax.Array:
     """tokens_out with each spatial row's value (only in a step that has one: a text step skips the region heads).
     A row's previous value is its input token: a decode row's carried token, a prefill row's last chunk token (a
@@ -292,6 +324,7 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
     top_ids, carrier_buf)."""
     R, V = logits.shape
     W = -(-V // 32) if masked else 0
+    buffer, tokens = tokens, tokens[:R]  # (the buffer holds max_rows tokens per decode step of a multi-step shape)
     rows = inputs[R * W:R * (W + SAMPLER_ROW_FIELDS)].reshape(R, SAMPLER_ROW_FIELDS)
     carrier = inputs[R * (W + SAMPLER_ROW_FIELDS):]
     C = SamplerColumns
@@ -310,7 +343,7 @@ def resample(filtered: bool, num_logprobs: int, masked: bool, logits, tokens, lo
         logprobs_buf, top_ids_buf = top_logprobs(logits, tokens, num_logprobs)
     if carrier.size:
         carrier_buf = jax.lax.dynamic_update_slice(carrier_buf, carrier, (0,))
-    return tokens, logprobs_buf, top_ids_buf, carrier_buf
+    return jax.lax.dynamic_update_slice(buffer, tokens, (0,)), logprobs_buf, top_ids_buf, carrier_buf
 
 
 def _forced(logits: jax.Array, tokens: jax.Array, n: jax.Array, candidates: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ class StepRecord:
     kind: str  # "decode" | "prefill" | "mixed"
     rows: int
     tokens: int
+    steps: int = 1  # decode steps the launch ran (a K-step decode launch: K)
     t_plan: float = 0.0  # planning starts
     t_planned: float = 0.0  # planned and packed (a step planned ahead waits for its launch after this)
     t_launch: float = 0.0  # dispatch starts
