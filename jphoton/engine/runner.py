@@ -327,7 +327,7 @@ class Runner:
         one more program each, decode-only shapes first (warm-up compiles them in this order). Prefill and mixed
         steps have one since device automata: each new constrained request draws its first token in one, and a step
         sampled at a finalize instead holds up the whole batch for the host."""
-        shapes = self.sched.all_shapes()
+        shapes = [s for s in self.sched.all_shapes() if s.steps == 1]  # (K-step launches take plain rows only)
         return [s for s in shapes if not s.prefill_rows] + [s for s in shapes if s.prefill_rows]
 
     def compile_sampler(self, variant: SamplerVariant) -> None:
