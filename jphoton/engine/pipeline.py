@@ -23,6 +23,10 @@ One tick at pipeline depth 2 (the default), step t already on the device:
   input rides in the masked sampler's transfer (one host->device copy per step). Steps whose rows are all free sample
   inside the forward, so they run a step ahead.
 
+- K steps a launch (`decode_steps`): a decode-only step with no host decision due runs K decode steps in one program
+  (scheduler.py `_decode_steps`); its commit appends each row's K tokens (`_commit_steps`), dropping what follows a
+  row's end.
+
 Invariants: a slot is reused only after the commit that read it; only the latest launched step can be finalized (the
 next launch reads its tokens); a sequence's pages are released only when it is finalized and no launched step
 references it.
