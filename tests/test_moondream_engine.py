@@ -22,7 +22,6 @@ mf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mf)
 FIX = json.loads((HERE / "fixtures.json").read_text())
 SPATIAL = json.loads((HERE / "spatial.json").read_text())  # the reference's point / detect (make_fixtures.py --spatial)
-MD3 = json.loads((HERE / "md3.json").read_text())  # Moondream 3's greedy ids (make_fixtures.py --md3)
 IMAGES = mf.make_images()
 GREEDY = SamplingParams(temperature=0, max_tokens=FIX["max_tokens"])
 # an image run (BOS + 729) is prefilled in one chunk: one 1024-token row, beside the tests' small buckets
@@ -50,7 +49,7 @@ def engines(tmp_path_factory):
 
 def _requests(config: str) -> list[tuple[str, object, str, list[int]]]:
     """(skill, image or None, question or caption length, the reference's ids) of every fixture case of a config."""
-    entry, out = {**FIX["configs"], **MD3["configs"]}[config], []
+    entry, out = FIX["configs"][config], []
     for name, item in entry["images"].items():
         out += [("query", IMAGES[name], g["question"], g["ids"]) for g in item["query"]]
         out += [("caption", IMAGES[name], g["length"], g["ids"]) for g in item["caption"]]
@@ -183,41 +182,6 @@ def test_point_and_detect_equal_the_reference_beside_queries_at_any_batch(engine
     np.testing.assert_allclose(np.asarray(boxes), np.asarray(first["answer"]), rtol=0, atol=1e-6)
     assert llm.point([IMAGES["small"], IMAGES["tall"]], "w42", max_objects=2) == [
         [tuple(p) for p in entry["images"][name][0]["answer"][:2]] for name in ("small", "tall")]
-
-
-def test_moondream3_greedy_ids_equal_the_reference_and_spatial_rows_the_plain_loop(engines, tmp_path):
-    """Moondream 3 (MoE layers: warp decode for decode steps, the expert-centric path for the image prefill; tau
-    attention): every query / caption / text-only fixture in one mixed batch, then again with the images cached; a
-    point and a detect request beside them give generate_spatial_reference's bins (its linear region decoders)."""
-    import jax.numpy as jnp
-
-    from jphoton.image.crops import overlap_crops, pool_weights
-    from jphoton.image.skills import skill_prompt
-    from jphoton.models.moondream import generate_spatial_reference, vision_encode, vision_project
-
-    llm = engines("m3")
-    requests = _requests("m3")
-    want = [r[3] for r in requests]
-    assert _run_batch(llm, requests) == want
-    compiles = llm.stats()["num_compiles"]
-    assert _run_batch(llm, requests[::-1]) == want[::-1]
-    assert llm.stats()["num_compiles"] == compiles, "compiled while serving after the warm-up"
-    from jphoton.weights.moondream import read_checkpoint, to_device
-
-    cfg, host = read_checkpoint(mf.write_checkpoint(tmp_path, "m3"))  # (the engine's own params are donated)
-    params = to_device(host, jnp.float32)
-    crops, tiling = overlap_crops(IMAGES["wide"])
-    rows, cols = pool_weights(tiling)
-    emb = vision_project(params, cfg, vision_encode(params, cfg, jnp.asarray(crops)), jnp.asarray(rows),
-                         jnp.asarray(cols))
-    runs = []
-    for skill in ("point", "detect"):
-        prompt, _ = skill_prompt(skill, llm.requests.encode_within, 729, with_image=True, obj="w42")
-        runs.append((skill, IMAGES["wide"], "w42", [list(b) for b in generate_spatial_reference(
-            params, cfg, prompt[730:], emb, include_size=skill == "detect", max_objects=3)]))
-    bins, answers = _run_spatial(llm, runs, 3, requests[:2])
-    assert bins == [r[3] for r in runs] and answers == want[:2]
-    assert {len(b) for b in bins} != {0}
 
 
 @pytest.mark.parametrize("depth", [1, 3])
