@@ -8,20 +8,11 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-from test_moondream_engine import ENGINE, HERE, IMAGES, _run_batch, _run_spatial, mf
+from test_moondream_engine import ENGINE, HERE, IMAGES, _requests, _run_batch, _run_spatial, mf
 
 from conftest import shared_llm
 
 MD3 = json.loads((HERE / "md3.json").read_text())
-
-
-def _requests(config: str) -> list[tuple[str, object, str, list[int]]]:
-    entry, out = MD3["configs"][config], []
-    for name, item in entry["images"].items():
-        out += [("query", IMAGES[name], g["question"], g["ids"]) for g in item["query"]]
-        out += [("caption", IMAGES[name], g["length"], g["ids"]) for g in item["caption"]]
-    out += [("query", None, g["question"], g["ids"]) for g in entry["text_only"]]
-    return out
 
 
 def test_moondream3_greedy_ids_equal_the_reference_and_spatial_rows_the_plain_loop(tmp_path):
@@ -39,7 +30,7 @@ def test_moondream3_greedy_ids_equal_the_reference_and_spatial_rows_the_plain_lo
     rows, cols = pool_weights(tiling)
     emb = vision_project(params, cfg, vision_encode(params, cfg, jnp.asarray(crops)), jnp.asarray(rows),
                          jnp.asarray(cols))
-    requests = _requests("m3")
+    requests = _requests("m3", MD3)
     want = [r[3] for r in requests]
     with shared_llm(str(tmp_path), **ENGINE) as llm:
         assert _run_batch(llm, requests) == want

@@ -47,9 +47,10 @@ def engines(tmp_path_factory):
         cm.__exit__(None, None, None)
 
 
-def _requests(config: str) -> list[tuple[str, object, str, list[int]]]:
-    """(skill, image or None, question or caption length, the reference's ids) of every fixture case of a config."""
-    entry, out = FIX["configs"][config], []
+def _requests(config: str, fixtures: dict | None = None) -> list[tuple[str, object, str, list[int]]]:
+    """(skill, image or None, question or caption length, the reference's ids) of every fixture case of a config
+    (of fixtures.json, or of `fixtures`: md3.json)."""
+    entry, out = (fixtures or FIX)["configs"][config], []
     for name, item in entry["images"].items():
         out += [("query", IMAGES[name], g["question"], g["ids"]) for g in item["query"]]
         out += [("caption", IMAGES[name], g["length"], g["ids"]) for g in item["caption"]]
