@@ -263,7 +263,7 @@ def vision_attention_check(out_file) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jphoton.models.moondream import vision_attention
+    from jphoton.models.moondream_vision import vision_attention
 
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 729, 16, 72), jnp.float32) for i in range(3))
     ref = vision_attention(q, k, v, "xla")

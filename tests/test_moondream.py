@@ -26,12 +26,8 @@ from jphoton.engine import compiles
 from jphoton.image.crops import overlap_crops, pool_weights
 from jphoton.image.skills import skill_prompt
 from jphoton.image.spatial import normalize
-from jphoton.models.moondream import (
-    generate_reference,
-    generate_spatial_reference,
-    vision_encode,
-    vision_project,
-)
+from jphoton.models.moondream import generate_reference, generate_spatial_reference
+from jphoton.models.moondream_vision import vision_encode, vision_project
 from jphoton.weights.moondream import read_checkpoint, to_device
 from jphoton.weights.store import cache_dir
 
@@ -311,7 +307,8 @@ def test_gemv_products_match_xla(models, n):
 
 def test_serving_layout_vision_matches_stacked(models):
     """The serving layout's vision encoder (per-layer params, unrolled) equals the scan over the stacked layers."""
-    from jphoton.models.moondream import serving_layout, vision_encode
+    from jphoton.models.moondream import serving_layout
+    from jphoton.models.moondream_vision import vision_encode
 
     cfg, params, _ = models["a"]
     S = cfg.vision.crop_size

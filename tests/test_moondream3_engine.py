@@ -20,7 +20,8 @@ def test_moondream3_greedy_ids_equal_the_reference_and_spatial_rows_the_plain_lo
     compiles); a point and a detect request beside two queries give generate_spatial_reference's bins."""
     from jphoton.image.crops import overlap_crops, pool_weights
     from jphoton.image.skills import skill_prompt
-    from jphoton.models.moondream import generate_spatial_reference, vision_encode, vision_project
+    from jphoton.models.moondream import generate_spatial_reference
+    from jphoton.models.moondream_vision import vision_encode, vision_project
     from jphoton.weights.moondream import read_checkpoint, to_device
 
     f = mf.write_checkpoint(tmp_path, "m3")

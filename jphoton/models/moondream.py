@@ -1,13 +1,10 @@
-"""Moondream 2 (the 2025-06 release) and 3 as config + params pytree + pure functions: vision encoder, projection, text
-decoder, region heads.
+"""Moondream 2 (the 2025-06 release) and 3 as config + params pytree + pure functions: text decoder, region heads
+(the vision tower over the same params: models/moondream_vision.py).
 
 Text decoder: Phi-style blocks (one LayerNorm with bias feeding attention and a GELU-tanh MLP in parallel, summed into
 the residual), multi-head attention with RoPE on the first `rot_dim` dims of each head, final LayerNorm, LM head with
-bias. Vision: a SigLIP-style ViT over 378x378 crops (patch 14 -> 27x27 = 729 patches), the global view plus up to
-`max_crops` overlapping local crops; the local crops' features are stitched and average-pooled back to 27x27
-(`pool_weights`, host side, fixed shape whatever the tiling), concatenated with the global view's and projected by a
-2-layer MLP into the text width. A query's prompt is BOS, the 729 image embeddings (attending to each other
-bidirectionally: the first `prefix_len` positions), then the skill template's tokens (jphoton/image/skills.py).
+bias. A query's prompt is BOS, the 729 image embeddings (attending to each other bidirectionally: the first
+`prefix_len` positions), then the skill template's tokens (jphoton/image/skills.py).
 Moondream 3 (`TextConfig.n_experts` > 0): the same block, but from layer `moe_start` on the MLP is a mixture of experts
 (router with bias, top-k, softmax over the chosen; experts GELU(gate) * (up + 1), models/moe.py), and every layer
 scales q and v per head by a learned token term and position term before RoPE (`tau`); the region decoders are a
@@ -165,13 +162,14 @@ def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Arra
     return ((xf - mu) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+def affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """x @ w + b, accumulated in float32, rounded back to x.dtype."""
     return (jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
 def mlp(x: jax.Array, w1, b1, w2, b2) -> jax.Array:
-    h = jax.nn.gelu(_linear(x, w1, b1).astype(jnp.float32), approximate=True).astype(x.dtype)
-    return _linear(h, w2, b2)
+    h = jax.nn.gelu(affine(x, w1, b1).astype(jnp.float32), approximate=True).astype(x.dtype)
+    return affine(h, w2, b2)
 
 
 def rope(x: jax.Array, positions: jax.Array, cfg: TextConfig) -> jax.Array:
@@ -340,7 +338,7 @@ def tau_scale(qkv: jax.Array, q: jax.Array, v: jax.Array, wq: jax.Array, wv: jax
 def text_logits(params: Params, cfg: MoondreamConfig, hidden: jax.Array) -> jax.Array:
     p = params["text"]
     h = layer_norm(hidden, p["post_ln_w"], p["post_ln_b"], cfg.text.ln_eps)
-    return _linear(h, p["lm_head"], p["lm_head_b"]).astype(jnp.float32)
+    return affine(h, p["lm_head"], p["lm_head_b"]).astype(jnp.float32)
 
 
 def dense_attend(prefix_len: int):
@@ -363,67 +361,6 @@ def dense_attend(prefix_len: int):
         return o, (kc, vc, pos, seen)
 
     return attend
-
-
-def patches(crops: jax.Array, patch: int) -> jax.Array:
-    """crops [N, S, S, 3] uint8 -> [N, (S/p)^2, 3*p*p] in the reference's (channel, row, column) order, scaled to
-    [-1, 1]."""
-    N, S = crops.shape[0], crops.shape[1]
-    g = S // patch
-    x = crops.astype(jnp.float32) / 255.0 * 2.0 - 1.0
-    x = x.reshape(N, g, patch, g, patch, 3).transpose(0, 1, 3, 5, 2, 4)
-    return x.reshape(N, g * g, 3 * patch * patch)
-
-
-def vision_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "xla") -> jax.Array:
-    """q, k, v [N, T, H, d] -> [N, T, H, d]: each crop's patches attend to each other (bidirectional). impl "xla": the
-    plain einsums, float32 scores (the reference); "cudnn": cuDNN's fused flash attention (GPU, 16-bit inputs)."""
-    scale = q.shape[-1] ** -0.5
-    if impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")
-    s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v,
-                      preferred_element_type=jnp.float32).astype(q.dtype)
-
-
-def vision_encode(params: Params, cfg: MoondreamConfig, crops: jax.Array, dtype=None, attention: str = "xla"
-                  ) -> jax.Array:
-    """crops [N, 378, 378, 3] uint8 -> features [N, 729, enc_dim] (after the final LayerNorm); attention: the
-    `vision_attention` implementation."""
-    v, p = cfg.vision, params["vision"]
-    dtype = dtype or p["patch_w"].dtype
-    x = _linear(patches(crops, v.patch_size).astype(dtype), p["patch_w"], p["patch_b"]) + p["pos"].astype(dtype)
-    H, E = v.n_heads, v.enc_dim
-    N, T = x.shape[0], x.shape[1]
-
-    def block(x, w):
-        h = layer_norm(x, w["ln1_w"], w["ln1_b"], v.ln_eps)
-        q, k, vv = (a.reshape(N, T, H, E // H) for a in jnp.split(_linear(h, w["wqkv"], w["bqkv"]), 3, axis=-1))
-        a = vision_attention(q, k, vv, attention)
-        x = x + _linear(a.reshape(N, T, E), w["wo"], w["bo"])
-        h = layer_norm(x, w["ln2_w"], w["ln2_b"], v.ln_eps)
-        return x + mlp(h, w["fc1"], w["b1"], w["fc2"], w["b2"]), None
-
-    if isinstance(p["layers"], tuple):  # (serving_layout) unrolled over per-layer params
-        for w in p["layers"]:
-            x, _ = block(x, w)
-    else:
-        x, _ = jax.lax.scan(block, x, p["layers"])
-    return layer_norm(x, p["post_ln_w"], p["post_ln_b"], v.ln_eps)
-
-
-def vision_project(params: Params, cfg: MoondreamConfig, features: jax.Array, pool_rows: jax.Array,
-                   pool_cols: jax.Array) -> jax.Array:
-    """features [1 + C, 729, E] (global view first, then C local crops; padding crops allowed) and the crops' pooling
-    weights pool_rows / pool_cols [C, g, g] (`jphoton.image.crops.pool_weights`: zero for padding crops) ->
-    image embeddings [729, D]. The local features are stitched and average-pooled to g x g as
-    sum_c rows_c @ F_c @ cols_c^T, which is the reference's reconstruct-then-adaptive-pool, in one fixed shape."""
-    v, p = cfg.vision, params["vision"]
-    g, E = v.grid, v.enc_dim
-    local = features[1:].reshape(-1, g, g, E).astype(jnp.float32)
-    pooled = jnp.einsum("cij,cjkd,clk->ild", pool_rows.astype(jnp.float32), local, pool_cols.astype(jnp.float32))
-    x = jnp.concatenate([features[0], pooled.reshape(g * g, E).astype(features.dtype)], axis=-1)
-    return mlp(x, p["proj_fc1"], p["proj_b1"], p["proj_fc2"], p["proj_b2"])
 
 
 def generate_reference(params: Params, cfg: MoondreamConfig, prompt: list[int], image_embeds=None,
@@ -486,21 +423,21 @@ def fourier_features(x: jax.Array, w: jax.Array) -> jax.Array:
 def encode_coordinate(params: Params, coord: jax.Array) -> jax.Array:
     """coord [N] in [0, 1] -> the input embedding [N, D] of a position that holds that coordinate."""
     r = params["region"]
-    return _linear(fourier_features(coord[:, None], r["coord_features"]).astype(r["coord_enc_w"].dtype),
+    return affine(fourier_features(coord[:, None], r["coord_features"]).astype(r["coord_enc_w"].dtype),
                    r["coord_enc_w"], r["coord_enc_b"])
 
 
 def encode_size(params: Params, size: jax.Array) -> jax.Array:
     """size [N, 2] (width, height) -> the input embedding [N, D]."""
     r = params["region"]
-    return _linear(fourier_features(size, r["size_features"]).astype(r["size_enc_w"].dtype), r["size_enc_w"],
+    return affine(fourier_features(size, r["size_features"]).astype(r["size_enc_w"].dtype), r["size_enc_w"],
                    r["size_enc_b"])
 
 
 def _decode(r: Params, hidden: jax.Array, name: str) -> jax.Array:
     """A region decoder: an MLP (Moondream 2) or, where the params have `ln_w`, a LayerNorm then one linear layer."""
     if "ln_w" in r:
-        return _linear(layer_norm(hidden, r["ln_w"], r["ln_b"], 1e-5), r[f"{name}_dec_w"], r[f"{name}_dec_b"])
+        return affine(layer_norm(hidden, r["ln_w"], r["ln_b"], 1e-5), r[f"{name}_dec_w"], r[f"{name}_dec_b"])
     return mlp(hidden, r[f"{name}_dec_fc1"], r[f"{name}_dec_b1"], r[f"{name}_dec_fc2"], r[f"{name}_dec_b2"])
 
 
@@ -630,14 +567,3 @@ def spatial_tokens(params: Params, cfg: MoondreamConfig, hidden: jax.Array, logi
     out = jnp.where(after_x, -(spatial.Y_BASE + coord_bin), decide)
     size_id = -(spatial.SIZE_BASE + wh[:, 0] * spatial.SIZE_SPAN + wh[:, 1])
     return jnp.where(after_y & (mode == 2), size_id, out).astype(jnp.int32)
-
-
-def encode_into_cache(params: Params, cfg: MoondreamConfig, slot: jax.Array, crops: jax.Array, pool_rows: jax.Array,
-                      pool_cols: jax.Array, attention: str = "xla") -> Params:
-    """The vision step: encode one image's crops (padded to a bucket: padding crops have zero pooling weights) and
-    write its projected embeddings into `params["image_cache"][slot]`. Returns params (the engine donates them)."""
-    feats = vision_encode(params, cfg, crops, dtype=params["image_cache"].dtype, attention=attention)
-    emb = vision_project(params, cfg, feats, pool_rows, pool_cols)
-    cache = jax.lax.dynamic_update_slice(params["image_cache"], emb[None].astype(params["image_cache"].dtype),
-                                         (slot, 0, 0))
-    return {**params, "image_cache": cache}

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jphoton.models import llama, moe, moondream, tensor_parallel
+from jphoton.models import llama, moe, moondream, moondream_vision, tensor_parallel
 from jphoton.models import matmul as matmul_hook
 from jphoton.models.config import ModelConfig
 
@@ -169,7 +169,7 @@ def moondream_family(config: moondream.MoondreamConfig, params, tokenizer=None, 
         return moondream.spatial_tokens(params, config, hidden, logits, mode, prev)
 
     def encode(params, slot, crops, rows, cols):
-        return moondream.encode_into_cache(params, config, slot, crops, rows, cols, vision_attention)
+        return moondream_vision.encode_into_cache(params, config, slot, crops, rows, cols, vision_attention)
 
     vision = Vision(prefix_len=config.prefix_len, embed_rows=v.grid ** 2, slots=image_slots, crop_buckets=buckets,
                     crop_size=v.crop_size, patch_size=v.patch_size, overlap_margin=v.overlap_margin,
