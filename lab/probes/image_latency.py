@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=378)
     ap.add_argument("--options", default="{}", help="LLM(...) keywords as JSON")
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--vision-attention", default=None, help="force models/moondream.py vision_attention (xla, cudnn)")
+    ap.add_argument("--vision-attention", default=None, help="force models/moondream_vision.py vision_attention (xla, cudnn)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     options = json.loads(args.options)
